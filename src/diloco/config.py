@@ -1,0 +1,98 @@
+"""The run's synchronisation settings, shared by the syncer and every learner, and the named modes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+
+from diloco.codec import check_codec
+
+MODES = ("decoupled", "streaming", "diloco", "dp")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    mode: str = "decoupled"
+    """Named mode that chose the defaults below: decoupled, streaming or diloco (dp has no syncer)."""
+    fragments: int = 24
+    """P: number of fragments the model is split into; one is exchanged every H/P steps."""
+    sync_every: int = 24
+    """H: inner steps between two pushes of the same fragment."""
+    overlap: int = 2
+    """τ: inner steps between pushing a fragment and applying the merged one (communication hides behind them)."""
+    quorum: int = 1
+    """K: distinct learners a round needs before it may close."""
+    wait_for_merge: bool = False
+    """Block the training thread when a merged fragment is due but has not arrived (streaming, diloco)."""
+    grace: float | None = None
+    """Fixed grace window in seconds after quorum; None selects the adaptive window (DESIGN §3.4)."""
+    grace_gamma: float = 0.5
+    """Share γ of the overlap's free time the adaptive grace window may use."""
+    grace_cap_steps: float = 1.0
+    """Cap of the adaptive grace window, in learner step times."""
+    codec: str = "int4"
+    """Codec of the outer gradients learners push: fp32, bf16, int8 or int4."""
+    down_codec: str = "int8"
+    """Codec of merged fragments sent back; below fp32 the syncer sends the change from what the learner holds."""
+    error_feedback: bool = False
+    """Carry each fragment's quantisation error into its next push (learner side)."""
+    merge: str = "rda"
+    """Merge rule for non-embedding tensors: rda (radial-directional averaging) or mean."""
+    outer_lr: float = 0.7
+    """η of the Nesterov outer optimizer (DiLoCo's value)."""
+    outer_momentum: float = 0.9
+    """μ of the Nesterov outer optimizer (DiLoCo's value)."""
+    blend: float = 0.0
+    """α: a learner sets θ ← α·θ + (1−α)·Θ on apply; 0 overwrites (the published default)."""
+    staleness_decay: float = 0.0
+    """λ: a contribution's weight is divided by (1 + λ·staleness)."""
+    max_staleness: int = 16
+    """Contributions staler than this many versions are refused and the learner resynchronises."""
+    heartbeat_seconds: float = 0.5
+    """How often a learner reports liveness and progress."""
+    absent_after_seconds: float = 10.0
+    """A learner silent this long is absent: rounds stop waiting for it."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SyncConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+
+
+def for_mode(mode: str, learners: int, **overrides) -> SyncConfig:
+    """The settings of a named mode for `learners` learners, with explicit overrides (None means unset)."""
+    if mode not in MODES or mode == "dp":
+        raise ValueError(f"unknown syncer mode {mode!r}; choose decoupled, streaming or diloco (dp runs without a syncer)")
+    base = {
+        "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4"),
+        "streaming": dict(quorum=learners, wait_for_merge=True, codec="bf16", down_codec="fp32"),
+        "diloco": dict(fragments=1, overlap=0, quorum=learners, wait_for_merge=True, codec="fp32", down_codec="fp32"),
+    }[mode]
+    cfg = replace(SyncConfig(mode=mode), **base)
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    validate(cfg, learners)
+    return cfg
+
+
+def validate(cfg: SyncConfig, learners: int | None = None) -> None:
+    check_codec(cfg.codec)
+    check_codec(cfg.down_codec)
+    if cfg.fragments < 1:
+        raise ValueError(f"--fragments must be at least 1, got {cfg.fragments}")
+    if cfg.sync_every < 1:
+        raise ValueError(f"--sync-every must be at least 1, got {cfg.sync_every}")
+    if cfg.overlap < 0 or cfg.overlap >= cfg.sync_every:
+        raise ValueError(f"--overlap must be between 0 and --sync-every − 1 ({cfg.sync_every - 1}), got {cfg.overlap}")
+    if cfg.quorum < 1:
+        raise ValueError(f"--quorum must be at least 1, got {cfg.quorum}")
+    if learners is not None and cfg.quorum > learners:
+        raise ValueError(f"--quorum {cfg.quorum} is more than the {learners} learners: no round could ever close")
+    if cfg.merge not in ("rda", "mean"):
+        raise ValueError(f"unknown merge rule {cfg.merge!r}; choose rda or mean")
+    if not 0.0 <= cfg.blend < 1.0:
+        raise ValueError(f"blend α must be in [0, 1), got {cfg.blend}")
+    if cfg.max_staleness < 0:
+        raise ValueError(f"max staleness must be non-negative, got {cfg.max_staleness}")

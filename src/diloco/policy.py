@@ -1,0 +1,90 @@
+"""When a round of one fragment closes (DESIGN §3.4): a pure function of state, averages, now and config.
+
+The syncer calls `decide` whenever something changes and again at the returned `wake_at`; nothing here reads a
+clock or sleeps, so every rule is tested with plain numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    quorum: int
+    """K: distinct learners a round needs before it may close."""
+    overlap: int
+    """τ: steps a learner trains between pushing a fragment and applying the merged one."""
+    grace: float | None = None
+    """Fixed grace window in seconds after quorum; None selects the adaptive window."""
+    gamma: float = 0.5
+    """Share of the overlap's free time the adaptive window may use (γ < 1 keeps learners from stalling)."""
+    cap_steps: float = 1.0
+    """Upper bound of the adaptive window, in learner step times."""
+
+
+@dataclass(frozen=True)
+class Averages:
+    """Moving averages in seconds; None until first measured."""
+
+    step: float | None = None
+    """ξ_step: a learner's inner-step time."""
+    quorum: float | None = None
+    """ξ_quorum: from a round's first contribution to its quorum."""
+    sync: float | None = None
+    """ξ_sync: receiving, merging and sending back one fragment."""
+
+
+@dataclass(frozen=True)
+class RoundState:
+    contributors: frozenset[str]
+    opened_at: float
+    quorum_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    close: bool
+    reason: str
+    wake_at: float | None = None
+    """When to ask again if nothing else happens (None: only when a contribution or liveness changes)."""
+    quorum_at: float | None = None
+    """When quorum was first reached (to be stored in the round state)."""
+
+
+def grace_seconds(avg: Averages, cfg: PolicyConfig) -> float:
+    """grace = clip(γ·slack, 0, cap) with slack = τ·ξ_step − (ξ_quorum + ξ_sync); 0 until ξ_step is known."""
+    if cfg.grace is not None:
+        return max(0.0, cfg.grace)
+    if avg.step is None:
+        return 0.0
+    slack = cfg.overlap * avg.step - ((avg.quorum or 0.0) + (avg.sync or 0.0))
+    return min(max(cfg.gamma * slack, 0.0), cfg.cap_steps * avg.step)
+
+
+def decide(state: RoundState, live: frozenset[str], avg: Averages, now: float, cfg: PolicyConfig) -> Decision:
+    """Close now, or say until when to wait."""
+    count = len(state.contributors)
+    if count == 0:
+        return Decision(False, "empty")
+    if count < cfg.quorum:
+        return Decision(False, f"waiting for quorum ({count}/{cfg.quorum})")
+    quorum_at = state.quorum_at if state.quorum_at is not None else now
+    if live <= state.contributors:
+        return Decision(True, "every live learner contributed", quorum_at=quorum_at)
+    deadline = quorum_at + grace_seconds(avg, cfg)
+    if now >= deadline:
+        return Decision(True, "grace window ended", quorum_at=quorum_at)
+    return Decision(False, "grace window open", wake_at=deadline, quorum_at=quorum_at)
+
+
+class MovingAverage:
+    """Exponential moving average that starts at the first sample."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def update(self, sample: float) -> float:
+        self.value = sample if self.value is None else (1 - self.alpha) * self.value + self.alpha * sample
+        return self.value

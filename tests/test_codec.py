@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from diloco.codec import BLOCK, CODECS, CorruptPayload, Encoded, ErrorFeedback, decode, encode, encoded_size
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 1000, 4097])
+def test_round_trip_error_bounds(codec, numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 0.01
+    p = encode(x, codec)
+    assert len(p.data) == encoded_size(numel, codec)
+    y = decode(p)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    err = (y - x).abs()
+    if codec == "fp32":
+        assert torch.equal(x, y)
+    elif codec == "bf16":
+        assert torch.all(err <= x.abs() * 2**-8)
+    else:
+        levels = {"int8": 127, "int4": 7}[codec]
+        blocks = -(-numel // BLOCK)
+        pad = torch.zeros(blocks * BLOCK)
+        pad[:numel] = x.abs()
+        bound = (pad.view(blocks, BLOCK).amax(1) / levels / 2).repeat_interleave(BLOCK)[:numel]
+        assert torch.all(err <= bound * (1 + 1e-5) + 1e-12)
+
+
+def test_int4_packs_two_values_per_byte():
+    assert encoded_size(6400, "int4") == 6400 // 2 + 4 * 100
+    assert encoded_size(6400, "int8") == 6400 + 4 * 100
+
+
+def test_zero_block_and_exact_levels():
+    x = torch.zeros(130)
+    x[70] = 7.0
+    x[71] = -3.0
+    y = decode(encode(x, "int4"))
+    assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_corrupted_payload_is_detected(codec):
+    p = encode(torch.randn(300), codec)
+    data = bytearray(p.data)
+    data[len(data) // 2] ^= 0x10
+    with pytest.raises(CorruptPayload, match="checksum"):
+        decode(Encoded(p.codec, p.numel, bytes(data), p.checksum))
+    with pytest.raises(CorruptPayload, match="bytes"):
+        decode(Encoded(p.codec, p.numel, p.data[:-1], p.checksum))
+
+
+def test_unknown_codec_is_refused():
+    with pytest.raises(ValueError, match="unknown codec 'int3'"):
+        encode(torch.zeros(3), "int3")
+
+
+def test_error_feedback_carries_residual():
+    ef = ErrorFeedback()
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(256, generator=g) for _ in range(20)]
+    sent = sum(decode(ef.encode(0, d, "int4")) for d in deltas)
+    plain = sum(decode(encode(d, "int4")) for d in deltas)
+    true = sum(deltas)
+    # with feedback the accumulated error is bounded by one step's error, without it it grows
+    assert (sent - true).norm() < 0.5 * (plain - true).norm()

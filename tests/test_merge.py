@@ -1,0 +1,80 @@
+import math
+
+import pytest
+import torch
+
+from diloco.merge import merge, rda, token_weight, weighted_mean
+from diloco.outer import nesterov_step
+
+
+def test_token_weight_formula():
+    assert token_weight(tokens=1000, steps=10) == 1000**2 / 10
+    assert token_weight(tokens=600, steps=3) == 600**2 / 3
+    assert token_weight(tokens=1000, steps=10, staleness=3, staleness_decay=0.5) == 1000**2 / 10 / 2.5
+    assert token_weight(0, 5) == 0.0 and token_weight(5, 0) == 0.0
+
+
+def test_weighted_mean_uses_weights_exactly():
+    d = torch.tensor([[1.0, 0.0], [0.0, 4.0]])
+    out = weighted_mean(d, torch.tensor([3.0, 1.0]))
+    assert torch.allclose(out, torch.tensor([0.75, 1.0]))
+
+
+@pytest.mark.parametrize("m", [2, 4, 8, 16])
+def test_rda_norm_of_equal_norm_orthogonal_deltas_is_independent_of_m(m):
+    d = torch.eye(16)[:m] * 2.5
+    out = rda(d, torch.ones(m))
+    assert math.isclose(out.norm().item(), 2.5, rel_tol=1e-6)
+    # the plain mean shrinks as 1/sqrt(M)
+    assert math.isclose(weighted_mean(d, torch.ones(m)).norm().item(), 2.5 / math.sqrt(m), rel_tol=1e-6)
+
+
+def test_rda_weights_norms_and_directions():
+    d = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    out = rda(d, torch.tensor([1.0, 1.0]))
+    assert math.isclose(out.norm().item(), 2.0, rel_tol=1e-6)  # mean of norms
+    assert torch.allclose(out / out.norm(), torch.tensor([1.0, 1.0]) / math.sqrt(2))
+
+
+def test_rda_falls_back_to_mean_when_directions_cancel():
+    d = torch.tensor([[1.0, 2.0], [-1.0, -2.0]])
+    assert torch.allclose(rda(d, torch.ones(2)), torch.zeros(2))
+
+
+def test_merge_embedding_segment_uses_mean_others_rda():
+    a = torch.tensor([2.0, 0.0, 1.0, 0.0])
+    b = torch.tensor([0.0, 2.0, 0.0, 1.0])
+    out = merge([a, b], [1.0, 1.0], segments=[(2, True), (2, False)])
+    assert torch.allclose(out[:2], torch.tensor([1.0, 1.0]))  # mean: norm shrinks
+    assert math.isclose(out[2:].norm().item(), 1.0, rel_tol=1e-6)  # rda: norm kept
+    mean = merge([a, b], [1.0, 1.0], segments=[(2, True), (2, False)], method="mean")
+    assert torch.allclose(mean, (a + b) / 2)
+
+
+def test_merge_token_weighting_end_to_end():
+    a, b = torch.tensor([1.0]), torch.tensor([0.0])
+    wa, wb = token_weight(300, 3), token_weight(100, 1)  # 30000 vs 10000
+    out = merge([a, b], [wa, wb], segments=[(1, True)])
+    assert math.isclose(out.item(), 0.75, rel_tol=1e-6)
+
+
+def test_single_contribution_is_returned_exactly():
+    a = torch.randn(10)
+    assert torch.equal(merge([a], [5.0], segments=[(10, False)]), a)
+
+
+def test_nesterov_golden_trajectory():
+    # Θ0 = 1, constant Δ = 0.5, η = 0.5, μ = 0.5: every value is a dyadic rational, computed by hand:
+    # v: 0.5, 0.75, 0.875, 0.9375;  Θ ← Θ − 0.5·(0.5 + 0.5·v)
+    theta, v = torch.tensor([1.0]), torch.tensor([0.0])
+    got = []
+    for _ in range(4):
+        nesterov_step(theta, torch.tensor([0.5]), v, lr=0.5, mu=0.5)
+        got.append(theta.item())
+    assert got == [0.625, 0.1875, -0.28125, -0.765625]  # a positive Δ moves Θ down
+
+
+def test_outer_step_with_unit_lr_and_no_momentum_is_plain_update():
+    theta, v = torch.tensor([1.0, -2.0]), torch.zeros(2)
+    nesterov_step(theta, torch.tensor([0.25, -0.5]), v, lr=1.0, mu=0.0)
+    assert torch.equal(theta, torch.tensor([0.75, -1.5]))
