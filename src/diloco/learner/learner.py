@@ -1,0 +1,171 @@
+"""The Learner: wraps a user's model and inner optimizer and does everything DiLoCo needs between steps.
+
+The user's loop stays as it is and calls `learner.step(tokens)` after each optimizer step. On the training
+thread this only copies fragments to and from CPU buffers; encoding, sending and receiving run in the
+transport's background threads (DESIGN §3.3, §4).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diloco.config import SyncConfig
+from diloco.fragments import Fragment, gather, plan_fragments, scatter, tensor_specs
+from diloco.learner.transport import Arrival, PushJob, SyncerError, Transport
+from diloco.schedule import due
+
+
+@dataclass
+class FragmentSlot:
+    """Learner-side state of one fragment."""
+
+    fragment: Fragment
+    base: torch.Tensor
+    version: int
+    steps: int = 0
+    tokens: int = 0
+    pushed_at: int | None = None
+    """Local step of the push whose merged result we still await (None: nothing in flight)."""
+    ready: Arrival | None = None
+    """A merged result that arrived and waits for its apply step."""
+
+
+class Learner:
+    """One learner of a run.
+
+    Args:
+        model: the replica to train; its parameters are replaced by the global model on join.
+        transport: how to reach the syncer (`GrpcTransport("host:port")` or an in-process one).
+        learner_id: a stable name; re-joining under the same id resumes this learner's ledger.
+        embedding_names: parameter names to merge as embeddings (default: every nn.Embedding weight).
+        speed: the speed factor reported to the syncer (only informational).
+    """
+
+    def __init__(self, model: nn.Module, transport: Transport, learner_id: str, *,
+                 embedding_names: set[str] | None = None, speed: float | None = None):
+        self.model = model
+        self.transport = transport
+        self.learner_id = learner_id
+        self.params = dict(model.named_parameters())
+        specs = tensor_specs(model, embedding_names)
+        self.info = transport.join(learner_id, specs, self._initial_fragments(specs))
+        self.config: SyncConfig = self.info.config
+        self.layout = plan_fragments(specs, self.config.fragments)
+        self.slots = [FragmentSlot(self.layout[i], values.clone(), version) for i, version, values in self.info.fragments]
+        for slot in self.slots:
+            scatter(slot.base, self.params, slot.fragment)
+        self.step_count = 0
+        self.tokens = 0
+        self.data_position = self.info.data_position
+        self.pushes = self.applied = self.skipped = self.refused = 0
+        self._seq = 0
+        self._last_step_at: float | None = None
+        self._step_seconds: float | None = None
+        self._last_report = 0.0
+        self.speed = speed
+
+    def _initial_fragments(self, specs):
+        def initial(num_fragments: int) -> list[torch.Tensor]:
+            return [gather(self.params, f) for f in plan_fragments(specs, num_fragments)]
+
+        return initial
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the syncer says the run's budget is spent."""
+        return self.transport.stop_requested
+
+    def step(self, tokens: int, loss: float | None = None, data_position: int | None = None) -> None:
+        """Call after every inner optimizer step with the tokens that step consumed."""
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._step_seconds = now - self._last_step_at
+        self._last_step_at = now
+        self.step_count += 1
+        self.tokens += tokens
+        if data_position is not None:
+            self.data_position = data_position
+        for slot in self.slots:
+            slot.steps += 1
+            slot.tokens += tokens
+        for p in due(self.step_count, self.config.sync_every, self.config.fragments):
+            self._push(self.slots[p])
+        self._collect(block=False)
+        for slot in self.slots:
+            self._maybe_apply(slot)
+        if now - self._last_report >= self.config.heartbeat_seconds / 2:
+            self._report(loss, now)
+
+    def _push(self, slot: FragmentSlot) -> None:
+        if slot.pushed_at is not None:
+            self.skipped += 1  # the last push's result is still out; its Δ already covers this progress
+            return
+        delta = slot.base - gather(self.params, slot.fragment)
+        self._seq += 1
+        self.transport.push(PushJob(slot.fragment.index, delta, slot.version, slot.steps, slot.tokens, self._seq,
+                                    self.data_position))
+        slot.pushed_at = self.step_count
+        self.pushes += 1
+
+    def _collect(self, block: bool, timeout: float | None = None) -> None:
+        for arrival in self.transport.arrivals(timeout if block else None):
+            slot = self.slots[arrival.fragment]
+            if arrival.refused:
+                self.refused += 1
+            slot.ready = arrival
+
+    def _maybe_apply(self, slot: FragmentSlot) -> None:
+        if slot.pushed_at is None or self.step_count < slot.pushed_at + self.config.overlap:
+            return
+        while slot.ready is None and self.config.wait_for_merge:
+            self._collect(block=True, timeout=1.0)
+            if self.transport.stop_requested and slot.ready is None:
+                return
+        if slot.ready is None:
+            return  # decoupled: keep training, apply when it arrives
+        self._apply(slot, slot.ready)
+
+    def _apply(self, slot: FragmentSlot, arrival: Arrival) -> None:
+        values = arrival.values
+        if self.config.blend:
+            values = self.config.blend * gather(self.params, slot.fragment) + (1 - self.config.blend) * values
+        scatter(values, self.params, slot.fragment)
+        slot.base, slot.version = arrival.values, arrival.version
+        slot.steps = slot.tokens = 0
+        slot.pushed_at, slot.ready = None, None
+        self.applied += 1
+
+    def _report(self, loss: float | None, now: float) -> None:
+        self._last_report = now
+        self.transport.report(
+            step=self.step_count, tokens_trained=self.tokens, loss=loss, data_position=self.data_position,
+            step_seconds=self._step_seconds, pushes=self.pushes, applied=self.applied, speed=self.speed,
+        )
+
+    def finish(self, timeout: float = 30.0) -> None:
+        """End of training: wait for results still out, push all remaining progress, leave the run."""
+        deadline = time.monotonic() + timeout
+        while any(s.pushed_at is not None for s in self.slots) and time.monotonic() < deadline:
+            self._collect(block=True, timeout=0.2)
+            for slot in self.slots:
+                if slot.ready is not None:
+                    self._apply(slot, slot.ready)
+        for slot in self.slots:
+            if slot.steps and slot.pushed_at is None:
+                self._push(slot)
+        self._report(None, time.monotonic())
+        self.transport.close()
+
+    def close(self) -> None:
+        """Leave without pushing what is left (e.g. on error)."""
+        self.transport.close()
+
+    def global_fragment_versions(self) -> list[int]:
+        return [s.version for s in self.slots]
+
+
+__all__ = ["Learner", "SyncerError"]

@@ -1,0 +1,168 @@
+"""How a Learner talks to a syncer: the interface, the fragment receiver both transports share, and an
+in-process transport that calls a SyncerCore directly (exact, deterministic, used by tests and examples)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from diloco import codec
+from diloco.config import SyncConfig
+from diloco.fragments import TensorSpec
+from diloco.syncer.core import Publication, Refused, SyncerCore, tensor_checksum
+
+
+class SyncerError(RuntimeError):
+    """The syncer refused us or cannot be reached; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    config: SyncConfig
+    session: str
+    fragments: list[tuple[int, int, torch.Tensor]]
+    """(fragment, version, full fp32 values) of every current fragment."""
+    data_position: int = 0
+    """Where this learner's data shard resumes (from the syncer's ledger)."""
+
+
+@dataclass(frozen=True)
+class PushJob:
+    fragment: int
+    delta: torch.Tensor
+    base_version: int
+    steps: int
+    tokens: int
+    seq: int
+    data_position: int
+
+
+@dataclass(frozen=True)
+class Arrival:
+    fragment: int
+    version: int
+    values: torch.Tensor
+    """The new full fp32 values of the fragment (also the learner's new base)."""
+    refused: str = ""
+    """Non-empty when the push was refused and these are the current values to resynchronise to."""
+
+
+class Transport(Protocol):
+    def join(self, learner_id: str, specs: list[TensorSpec], initial: Callable[[int], list[torch.Tensor]]) -> JoinInfo: ...
+    def push(self, job: PushJob) -> None: ...
+    def arrivals(self, timeout: float | None = None) -> list[Arrival]: ...
+    def report(self, **progress) -> None: ...
+    @property
+    def stop_requested(self) -> bool: ...
+    @property
+    def wire_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class Receiver:
+    """Turns publications into full fragment values, keeping exactly what the syncer believes we hold."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, torch.Tensor] = {}
+        self.inbox: queue.Queue[Arrival] = queue.Queue()
+
+    def reset(self, fragments: list[tuple[int, int, torch.Tensor]]) -> None:
+        self.held = {i: v.clone() for i, _, v in fragments}
+
+    def accept(self, pub: Publication, refused: str = "") -> bool:
+        """Decode and queue one publication; False when its result does not match (a resync is needed)."""
+        change = codec.decode(pub.payload)
+        values = change if pub.full else self.held[pub.fragment] + change
+        if tensor_checksum(values) != pub.result_checksum:
+            return False
+        self.held[pub.fragment] = values
+        self.inbox.put(Arrival(pub.fragment, pub.version, values, refused))
+        return True
+
+    def drain(self, timeout: float | None) -> list[Arrival]:
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
+            while True:
+                out.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+
+class LocalSyncer:
+    """A SyncerCore shared by learners in one process (threads), with a lock and per-learner receivers."""
+
+    def __init__(self, core: SyncerCore):
+        self.core = core
+        self.lock = threading.Lock()
+        self.receivers: dict[str, Receiver] = {}
+
+    def deliver(self, publications: list[Publication]) -> None:
+        for pub in publications:
+            self.receivers[pub.learner].accept(pub)
+
+    def tick(self) -> None:
+        with self.lock:
+            self.deliver(self.core.poll())
+
+
+class LocalTransport:
+    """In-process transport: every call goes straight to the shared core; nothing is encoded twice."""
+
+    def __init__(self, local: LocalSyncer):
+        self.local = local
+        self.learner_id = ""
+        self.session = ""
+        self._stop = False
+
+    def join(self, learner_id, specs, initial):
+        self.learner_id = learner_id
+        with self.local.lock:
+            core = self.local.core
+            try:
+                if not core.initialized:
+                    core.initialize(specs, initial(core.cfg.fragments))
+                self.session = core.join(learner_id, specs)
+            except Refused as e:
+                raise SyncerError(str(e)) from None
+            receiver = self.local.receivers.setdefault(learner_id, Receiver())
+            fragments = core.snapshot_for_join(learner_id)
+            receiver.reset(fragments)
+            return JoinInfo(core.cfg, self.session, fragments, core.learners[learner_id].data_position)
+
+    def push(self, job: PushJob) -> None:
+        payload = codec.encode(job.delta, self.local.core.cfg.codec)
+        with self.local.lock:
+            core = self.local.core
+            result = core.push(self.learner_id, self.session, job.seq, job.fragment, job.base_version, job.steps,
+                               job.tokens, payload, job.data_position)
+            if not result.accepted and result.resync:
+                self.local.receivers[self.learner_id].accept(core.resync(self.learner_id, self.session, job.fragment), result.reason)
+            elif not result.accepted:
+                raise SyncerError(result.reason)
+            self.local.deliver(core.poll())
+
+    def arrivals(self, timeout=None):
+        return self.local.receivers[self.learner_id].drain(timeout)
+
+    def report(self, **progress):
+        with self.local.lock:
+            self._stop = self.local.core.heartbeat(self.learner_id, self.session, **progress)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop
+
+    @property
+    def wire_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        with self.local.lock:
+            self.local.core.leave(self.learner_id, self.session)
+            self.local.deliver(self.local.core.poll())

@@ -1,0 +1,326 @@
+"""The syncer's state machine: joins, pushes, rounds, merges and outer steps (DESIGN §3.4, §3.7).
+
+No sockets and no clock of its own: the service calls it from one worker thread and passes time in, and tests
+drive it directly.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from diloco import codec
+from diloco.config import SyncConfig
+from diloco.fragments import Fragment, TensorSpec, first_difference, plan_fragments, segments, signature
+from diloco.merge import merge, token_weight
+from diloco.outer import nesterov_step
+from diloco.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide
+from diloco.syncer.ledger import LearnerRecord
+
+
+class Refused(Exception):
+    """A request the syncer will not honour; the message says why and what to do."""
+
+
+@dataclass
+class Contribution:
+    learner: str
+    delta: torch.Tensor
+    base_version: int
+    steps: int
+    tokens: int
+    data_position: int
+
+
+@dataclass
+class FragmentState:
+    fragment: Fragment
+    theta: torch.Tensor
+    momentum: torch.Tensor
+    version: int = 0
+    pending: dict[str, Contribution] = field(default_factory=dict)
+    opened_at: float | None = None
+    quorum_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One merged fragment on its way to one learner: full values, or the change from what it holds."""
+
+    learner: str
+    fragment: int
+    version: int
+    payload: codec.Encoded
+    full: bool
+    result_checksum: int
+    """CRC-32 of the fp32 values the learner must hold after applying, so drift is caught, never trained on."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    accepted: bool
+    reason: str = ""
+    duplicate: bool = False
+    resync: bool = False
+
+
+def tensor_checksum(x: torch.Tensor) -> int:
+    return codec.checksum(x.numpy().tobytes())
+
+
+class SyncerCore:
+    def __init__(self, cfg: SyncConfig, clock: Callable[[], float] = time.monotonic, token_budget: int | None = None):
+        self.cfg = cfg
+        self.clock = clock
+        self.token_budget = token_budget
+        self.policy = PolicyConfig(cfg.quorum, cfg.overlap, cfg.grace, cfg.grace_gamma, cfg.grace_cap_steps)
+        self.specs: list[TensorSpec] | None = None
+        self.fragments: list[FragmentState] = []
+        self.learners: dict[str, LearnerRecord] = {}
+        self.quorum_avg = MovingAverage()
+        self.sync_avg = MovingAverage()
+        self.rounds = 0
+        self.started_at = clock()
+        self.round_log: list[tuple[float, int, int, int]] = []  # (time, fragment, version, contributors)
+        self.refusals: dict[str, int] = {}
+        self.stopping = False
+
+    # ---- model --------------------------------------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return self.specs is not None
+
+    def initialize(self, specs: list[TensorSpec], flats: list[torch.Tensor]) -> None:
+        """Adopt the first learner's initial parameters as the global model (fragment order, flat fp32)."""
+        if self.initialized:
+            return
+        layout = plan_fragments(specs, self.cfg.fragments)
+        if len(flats) != len(layout) or any(f.numel() != fr.numel for f, fr in zip(flats, layout)):
+            raise Refused("initial parameters do not match the model's fragment layout")
+        self.specs = list(specs)
+        self.fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f)) for fr, f in zip(layout, flats)]
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The global model as named tensors (copies, in model order)."""
+        out = {}
+        for fs in self.fragments:
+            offset = 0
+            for s in fs.fragment.specs:
+                out[s.name] = fs.theta[offset : offset + s.numel].view(s.shape).clone()
+                offset += s.numel
+        return {s.name: out[s.name] for s in self.specs or []}
+
+    # ---- membership ---------------------------------------------------------------------------------------
+    def join(self, learner_id: str, specs: list[TensorSpec]) -> str:
+        """Admit a learner whose model matches; returns its new session id. Refused on any mismatch."""
+        if self.stopping:
+            raise Refused("the syncer is shutting down; retry against its replacement")
+        if not self.initialized:
+            raise Refused("not initialised")  # the service turns this into a request for initial parameters
+        diff = first_difference(self.specs, specs)
+        if diff is not None:
+            raise Refused(
+                f"model mismatch ({diff}); every learner must build the same model as the run "
+                f"(signature {signature(self.specs)}, yours {signature(specs)})"
+            )
+        now = self.clock()
+        record = self.learners.get(learner_id)
+        session = secrets.token_hex(8)
+        if record is None:
+            record = LearnerRecord(learner_id, session, now, now)
+            self.learners[learner_id] = record
+        record.session, record.last_seen, record.left = session, now, False
+        record.held = {i: fs.theta.clone() for i, fs in enumerate(self.fragments)}
+        return session
+
+    def snapshot_for_join(self, learner_id: str) -> list[tuple[int, int, torch.Tensor]]:
+        """(fragment, version, full values) for a joiner: exactly what `join` recorded it as holding."""
+        record = self.learners[learner_id]
+        return [(i, fs.version, record.held[i]) for i, fs in enumerate(self.fragments)]
+
+    def _record(self, learner_id: str, session: str) -> LearnerRecord:
+        record = self.learners.get(learner_id)
+        if record is None:
+            raise Refused(f"unknown learner {learner_id!r}: join first")
+        if record.session != session:
+            raise Refused(f"stale session for learner {learner_id!r}: it re-joined elsewhere; join again")
+        return record
+
+    def heartbeat(self, learner_id: str, session: str, **progress) -> bool:
+        """Record liveness and progress; returns True when the learner should stop (budget reached)."""
+        record = self._record(learner_id, session)
+        record.last_seen = self.clock()
+        step_seconds = progress.pop("step_seconds", None)
+        if step_seconds:
+            record.step_time.update(step_seconds)
+        for key, value in progress.items():
+            if value is not None:
+                setattr(record, key, value)
+        return self.should_stop()
+
+    def should_stop(self) -> bool:
+        return self.stopping or (self.token_budget is not None and self.tokens_trained() >= self.token_budget)
+
+    def leave(self, learner_id: str, session: str) -> None:
+        self._record(learner_id, session).left = True
+
+    def live(self) -> frozenset[str]:
+        now = self.clock()
+        return frozenset(
+            r.id for r in self.learners.values() if not r.left and now - r.last_seen <= self.cfg.absent_after_seconds
+        )
+
+    def tokens_trained(self) -> int:
+        return sum(r.tokens_trained for r in self.learners.values())
+
+    def tokens_merged(self) -> int:
+        return sum(r.tokens_merged for r in self.learners.values())
+
+    def averages(self) -> Averages:
+        live = self.live()
+        steps = [r.step_time.value for r in self.learners.values() if r.id in live and r.step_time.value]
+        # the fastest learner pushes first and waits longest, so its step time bounds the window
+        return Averages(min(steps) if steps else None, self.quorum_avg.value, self.sync_avg.value)
+
+    # ---- pushes and rounds --------------------------------------------------------------------------------
+    def push(
+        self, learner_id: str, session: str, seq: int, fragment: int, base_version: int, steps: int, tokens: int,
+        payload: codec.Encoded, data_position: int = 0, transfer_seconds: float = 0.0,
+    ) -> PushResult:
+        record = self._record(learner_id, session)
+        record.last_seen = self.clock()
+        if (session, seq) in record.seen:
+            return PushResult(True, "duplicate push ignored", duplicate=True)
+        try:
+            delta = self._validate(fragment, steps, tokens, payload)
+        except Refused as e:
+            record.refused += 1
+            self.refusals[str(e).split(":")[0]] = self.refusals.get(str(e).split(":")[0], 0) + 1
+            return PushResult(False, str(e))
+        fs = self.fragments[fragment]
+        staleness = fs.version - base_version
+        if staleness < 0 or staleness > self.cfg.max_staleness:
+            record.refused += 1
+            self.refusals["stale"] = self.refusals.get("stale", 0) + 1
+            return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
+                              f"which is at {fs.version}: fetch the current fragment", resync=True)
+        record.seen.add((session, seq))
+        record.pushes += 1
+        record.data_position = max(record.data_position, data_position)
+        if transfer_seconds:
+            self.sync_avg.update(transfer_seconds)
+        older = fs.pending.get(learner_id)
+        if older is not None:  # a newer push replaces the older one, keeping the sum of their counters
+            steps, tokens = steps + older.steps, tokens + older.tokens
+        fs.pending[learner_id] = Contribution(learner_id, delta, base_version, steps, tokens, data_position)
+        if fs.opened_at is None:
+            fs.opened_at = self.clock()
+        return PushResult(True)
+
+    def _validate(self, fragment: int, steps: int, tokens: int, payload: codec.Encoded) -> torch.Tensor:
+        if not self.initialized:
+            raise Refused("not initialised: join first")
+        if not 0 <= fragment < len(self.fragments):
+            raise Refused(f"bad fragment: {fragment} is not in 0..{len(self.fragments) - 1}")
+        expected = self.fragments[fragment].fragment.numel
+        if payload.numel != expected:
+            raise Refused(f"bad shape: fragment {fragment} has {expected} values, payload has {payload.numel}")
+        if steps < 1 or tokens < 0:
+            raise Refused(f"bad counters: steps={steps} tokens={tokens}")
+        try:
+            delta = codec.decode(payload)
+        except (codec.CorruptPayload, ValueError) as e:
+            raise Refused(f"corrupt payload: {e}") from None
+        if not torch.isfinite(delta).all():
+            raise Refused("non-finite values: the outer gradient contains NaN or Inf")
+        return delta
+
+    def resync(self, learner_id: str, session: str, fragment: int) -> Publication:
+        """The current full fragment for a learner told to fetch it."""
+        record = self._record(learner_id, session)
+        fs = self.fragments[fragment]
+        record.held[fragment] = fs.theta.clone()
+        return Publication(learner_id, fragment, fs.version, codec.encode(fs.theta, "fp32"), True, tensor_checksum(fs.theta))
+
+    def poll(self, force: bool = False) -> list[Publication]:
+        """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom."""
+        out: list[Publication] = []
+        live, avg, now = self.live(), self.averages(), self.clock()
+        for index, fs in enumerate(self.fragments):
+            if not fs.pending:
+                continue
+            state = RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at)
+            d = decide(state, live, avg, now, self.policy)
+            if d.quorum_at is not None and fs.quorum_at is None:
+                fs.quorum_at = d.quorum_at
+                self.quorum_avg.update(d.quorum_at - fs.opened_at)
+            if d.close or force:
+                out.extend(self._close(index, fs))
+        return out
+
+    def next_wakeup(self) -> float | None:
+        """When `poll` may have something new to do without any new request."""
+        times = []
+        live, avg, now = self.live(), self.averages(), self.clock()
+        for fs in self.fragments:
+            if fs.pending:
+                d = decide(RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at), live, avg, now, self.policy)
+                times.append(now if d.close else d.wake_at)
+        # a learner turning absent can unblock a round that waits for everyone
+        times += [self.learners[i].last_seen + self.cfg.absent_after_seconds for i in live]
+        times = [t for t in times if t is not None]
+        return min(times) if times else None
+
+    def _close(self, index: int, fs: FragmentState) -> list[Publication]:
+        started = self.clock()
+        contributions = list(fs.pending.values())
+        weights = [
+            token_weight(c.tokens, c.steps, fs.version - c.base_version, self.cfg.staleness_decay) for c in contributions
+        ]
+        delta = merge([c.delta for c in contributions], weights, segments(fs.fragment), self.cfg.merge)
+        nesterov_step(fs.theta, delta, fs.momentum, self.cfg.outer_lr, self.cfg.outer_momentum)
+        fs.version += 1
+        fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
+        self.rounds += 1
+        for c in contributions:
+            record = self.learners[c.learner]
+            record.merged += 1
+            record.tokens_merged += c.tokens / len(self.fragments)
+        out = [self._publication(self.learners[c.learner], index, fs) for c in contributions]
+        self.sync_avg.update(self.clock() - started)
+        self.round_log.append((self.clock() - self.started_at, index, fs.version, len(contributions)))
+        return out
+
+    def _publication(self, record: LearnerRecord, index: int, fs: FragmentState) -> Publication:
+        held = record.held.get(index)
+        if self.cfg.down_codec == "fp32" or held is None:
+            record.held[index] = fs.theta.clone()
+            payload, full = codec.encode(fs.theta, "fp32"), True
+        else:
+            payload, full = codec.encode(fs.theta - held, self.cfg.down_codec), False
+            held.add_(codec.decode(payload))  # exactly what the learner will compute
+        return Publication(record.id, index, fs.version, payload, full, tensor_checksum(record.held[index]))
+
+    # ---- reporting ----------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        now = self.clock()
+        return {
+            "mode": self.cfg.mode,
+            "uptime_seconds": round(now - self.started_at, 3),
+            "initialized": self.initialized,
+            "rounds": self.rounds,
+            "versions": [fs.version for fs in self.fragments],
+            "pending": [len(fs.pending) for fs in self.fragments],
+            "tokens_trained": self.tokens_trained(),
+            "tokens_merged": self.tokens_merged(),
+            "token_budget": self.token_budget,
+            "stopping": self.should_stop(),
+            "averages": vars(self.averages()),
+            "refusals": dict(self.refusals),
+            "learners": [r.summary(now, self.cfg.absent_after_seconds) for r in self.learners.values()],
+        }

@@ -1,0 +1,143 @@
+"""Golden trajectories: the Learner + syncer machinery reproduces plain training and synchronous DiLoCo."""
+
+import copy
+import threading
+
+import torch
+from torch import nn
+
+from diloco.config import for_mode
+from diloco.learner.learner import Learner
+from diloco.learner.transport import LocalSyncer, LocalTransport
+from diloco.syncer.core import SyncerCore
+
+
+class FixedGradient(nn.Module):
+    """A 1×1 model whose loss is w·g, so every inner step moves w by −lr·g: values computable by hand."""
+
+    def __init__(self, w=1.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([w]))
+
+    def loss(self, g):
+        return (self.w * g).sum()
+
+
+def train_steps(model, opt, learner, grads, tokens=10):
+    for g in grads:
+        opt.zero_grad()
+        model.loss(g).backward()
+        opt.step()
+        if learner is not None:
+            learner.step(tokens)
+
+
+def test_one_learner_h1_unit_lr_no_momentum_is_plain_training_fixed_gradient():
+    cfg = for_mode("decoupled", 1, fragments=1, sync_every=1, overlap=0, outer_lr=1.0, outer_momentum=0.0, codec="fp32", down_codec="fp32")
+    local = LocalSyncer(SyncerCore(cfg))
+    model = FixedGradient()
+    learner = Learner(model, LocalTransport(local), "solo")
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    history = []
+    for g in [1.0, 2.0, -4.0, 0.5]:
+        train_steps(model, opt, learner, [g])
+        history.append(model.w.item())
+    assert history == [0.75, 0.25, 1.25, 1.125]
+    assert local.core.fragments[0].theta.item() == 1.125 and local.core.fragments[0].version == 4
+
+
+def tiny_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(16, 8), nn.Flatten(), nn.Linear(8 * 4, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batches(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 16, (5, 4), generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(n)]
+
+
+def adam_step(model, opt, x, y):
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_one_learner_h1_reproduces_plain_adamw_training():
+    cfg = for_mode("decoupled", 1, fragments=1, sync_every=1, overlap=0, outer_lr=1.0, outer_momentum=0.0, codec="fp32", down_codec="fp32")
+    plain, wrapped = tiny_net(), tiny_net()
+    learner = Learner(wrapped, LocalTransport(LocalSyncer(SyncerCore(cfg))), "solo")
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_wrapped = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for x, y in batches(30, 1):
+        adam_step(plain, opt_plain, x, y)
+        adam_step(wrapped, opt_wrapped, x, y)
+        learner.step(20)
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def run_learners_in_threads(cfg, models, optimizers, schedules, tokens=10):
+    local = LocalSyncer(SyncerCore(cfg))
+    learners = [Learner(m, LocalTransport(local), f"l{i}") for i, m in enumerate(models)]
+    errors = []
+
+    def work(i):
+        try:
+            for item in schedules[i]:
+                if isinstance(models[i], FixedGradient):
+                    train_steps(models[i], optimizers[i], learners[i], [item], tokens)
+                else:
+                    adam_step(models[i], optimizers[i], *item)
+                    learners[i].step(tokens)
+        except Exception as e:  # surfaced below: a thread's failure must fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    return local
+
+
+def test_k_equals_m_p1_reproduces_synchronous_diloco_by_hand():
+    # Θ0 = 1, learners with fixed gradients 1 and 3, inner SGD lr 0.25, H = 2, η = 0.5, μ = 0.5, mean merge.
+    # Each round Δ_m = 2·0.25·g_m, mean Δ = 1; v = 1, 1.5, 1.75; Θ = 0.25, −0.625, −1.5625 (by hand).
+    cfg = for_mode("diloco", 2, sync_every=2, outer_lr=0.5, outer_momentum=0.5, merge="mean")
+    models = [FixedGradient(), FixedGradient()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in models]
+    local = run_learners_in_threads(cfg, models, opts, [[1.0] * 6, [3.0] * 6])
+    assert [m.w.item() for m in models] == [-1.5625, -1.5625]
+    assert local.core.fragments[0].theta.item() == -1.5625 and local.core.fragments[0].version == 3
+
+
+def reference_diloco(models, data, rounds, H, lr, mu, inner_lr):
+    """Synchronous DiLoCo written plainly, with torch's own Nesterov SGD as the outer optimizer."""
+    global_model = copy.deepcopy(models[0])
+    outer = torch.optim.SGD(global_model.parameters(), lr=lr, momentum=mu, nesterov=True)
+    inner = [torch.optim.AdamW(m.parameters(), lr=inner_lr) for m in models]
+    for r in range(rounds):
+        for m, opt, d in zip(models, inner, data):
+            m.load_state_dict(global_model.state_dict())
+            for x, y in d[r * H : (r + 1) * H]:
+                adam_step(m, opt, x, y)
+        outer.zero_grad()
+        for gp, *ps in zip(global_model.parameters(), *[m.parameters() for m in models]):
+            gp.grad = sum(gp.detach() - p.detach() for p in ps) / len(ps)
+        outer.step()
+    return global_model
+
+
+def test_k_equals_m_p1_matches_reference_diloco_on_a_real_model():
+    H, rounds, M = 3, 4, 3
+    data = [batches(H * rounds, 10 + i) for i in range(M)]
+    expected = reference_diloco([tiny_net() for _ in range(M)], data, rounds, H, 0.7, 0.9, 1e-2)
+    cfg = for_mode("diloco", M, sync_every=H, merge="mean")
+    models = [tiny_net() for _ in range(M)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    local = run_learners_in_threads(cfg, models, opts, data)
+    got = local.core.params()
+    for name, p in expected.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-5)
+    assert all(fs.version == rounds for fs in local.core.fragments)
