@@ -65,6 +65,7 @@ class Learner:
         self._seq = 0
         self._last_step_at: float | None = None
         self._step_seconds: float | None = None
+        self._tokens_per_second: float | None = None
         self._last_report = 0.0
         self.speed = speed
 
@@ -84,6 +85,7 @@ class Learner:
         now = time.monotonic()
         if self._last_step_at is not None:
             self._step_seconds = now - self._last_step_at
+            self._tokens_per_second = tokens / max(self._step_seconds, 1e-9)
         self._last_step_at = now
         self.step_count += 1
         self.tokens += tokens
@@ -144,6 +146,7 @@ class Learner:
         self.transport.report(
             step=self.step_count, tokens_trained=self.tokens, loss=loss, data_position=self.data_position,
             step_seconds=self._step_seconds, pushes=self.pushes, applied=self.applied, speed=self.speed,
+            tokens_per_second=self._tokens_per_second,
         )
 
     def finish(self, timeout: float = 30.0) -> None:

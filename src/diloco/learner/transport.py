@@ -73,7 +73,7 @@ class Receiver:
     def reset(self, fragments: list[tuple[int, int, torch.Tensor]]) -> None:
         self.held = {i: v.clone() for i, _, v in fragments}
 
-    def accept(self, pub: Publication, refused: str = "") -> bool:
+    def accept(self, pub: Publication, refused: str = "") -> bool:  # or anything with Publication's fields
         """Decode and queue one publication; False when its result does not match (a resync is needed)."""
         change = codec.decode(pub.payload)
         values = change if pub.full else self.held[pub.fragment] + change
@@ -143,8 +143,6 @@ class LocalTransport:
                                job.tokens, payload, job.data_position)
             if not result.accepted and result.resync:
                 self.local.receivers[self.learner_id].accept(core.resync(self.learner_id, self.session, job.fragment), result.reason)
-            elif not result.accepted:
-                raise SyncerError(result.reason)
             self.local.deliver(core.poll())
 
     def arrivals(self, timeout=None):

@@ -74,10 +74,13 @@ def tensor_checksum(x: torch.Tensor) -> int:
 
 
 class SyncerCore:
-    def __init__(self, cfg: SyncConfig, clock: Callable[[], float] = time.monotonic, token_budget: int | None = None):
+    def __init__(self, cfg: SyncConfig, clock: Callable[[], float] = time.monotonic, token_budget: int | None = None,
+                 duration: float | None = None):
         self.cfg = cfg
         self.clock = clock
         self.token_budget = token_budget
+        self.duration = duration
+        self.first_join_at: float | None = None
         self.policy = PolicyConfig(cfg.quorum, cfg.overlap, cfg.grace, cfg.grace_gamma, cfg.grace_cap_steps)
         self.specs: list[TensorSpec] | None = None
         self.fragments: list[FragmentState] = []
@@ -86,6 +89,7 @@ class SyncerCore:
         self.sync_avg = MovingAverage()
         self.rounds = 0
         self.started_at = clock()
+        self.started_unix = time.time()  # only to line reports up with other processes' logs
         self.round_log: list[tuple[float, int, int, int]] = []  # (time, fragment, version, contributors)
         self.refusals: dict[str, int] = {}
         self.stopping = False
@@ -95,15 +99,19 @@ class SyncerCore:
     def initialized(self) -> bool:
         return self.specs is not None
 
-    def initialize(self, specs: list[TensorSpec], flats: list[torch.Tensor]) -> None:
-        """Adopt the first learner's initial parameters as the global model (fragment order, flat fp32)."""
+    def initialize(self, specs: list[TensorSpec], flats: list[torch.Tensor]) -> bool:
+        """Adopt the first learner's initial parameters as the global model (fragment order, flat fp32).
+
+        Returns False when another learner's parameters were adopted first (those then win; this one re-joins).
+        """
         if self.initialized:
-            return
+            return False
         layout = plan_fragments(specs, self.cfg.fragments)
         if len(flats) != len(layout) or any(f.numel() != fr.numel for f, fr in zip(flats, layout)):
             raise Refused("initial parameters do not match the model's fragment layout")
         self.specs = list(specs)
         self.fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f)) for fr, f in zip(layout, flats)]
+        return True
 
     def params(self) -> dict[str, torch.Tensor]:
         """The global model as named tensors (copies, in model order)."""
@@ -131,6 +139,8 @@ class SyncerCore:
         now = self.clock()
         record = self.learners.get(learner_id)
         session = secrets.token_hex(8)
+        if self.first_join_at is None:
+            self.first_join_at = now
         if record is None:
             record = LearnerRecord(learner_id, session, now, now)
             self.learners[learner_id] = record
@@ -164,7 +174,9 @@ class SyncerCore:
         return self.should_stop()
 
     def should_stop(self) -> bool:
-        return self.stopping or (self.token_budget is not None and self.tokens_trained() >= self.token_budget)
+        if self.stopping or (self.token_budget is not None and self.tokens_trained() >= self.token_budget):
+            return True
+        return self.duration is not None and self.first_join_at is not None and self.clock() - self.first_join_at >= self.duration
 
     def leave(self, learner_id: str, session: str) -> None:
         self._record(learner_id, session).left = True
@@ -199,9 +211,11 @@ class SyncerCore:
         try:
             delta = self._validate(fragment, steps, tokens, payload)
         except Refused as e:
+            # the learner's copy of this fragment is suspect: it gets the current values to start over from
             record.refused += 1
-            self.refusals[str(e).split(":")[0]] = self.refusals.get(str(e).split(":")[0], 0) + 1
-            return PushResult(False, str(e))
+            reason = str(e).split(":")[0]
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
         staleness = fs.version - base_version
         if staleness < 0 or staleness > self.cfg.max_staleness:
@@ -312,6 +326,7 @@ class SyncerCore:
         return {
             "mode": self.cfg.mode,
             "uptime_seconds": round(now - self.started_at, 3),
+            "started_unix": self.started_unix,
             "initialized": self.initialized,
             "rounds": self.rounds,
             "versions": [fs.version for fs in self.fragments],

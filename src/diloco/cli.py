@@ -1,0 +1,183 @@
+"""The `diloco` command line: run, syncer, learner, simulate."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from diloco import __version__
+from diloco.codec import CODECS
+from diloco.config import MODES
+
+SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
+              "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
+              "absent_after_seconds")
+
+
+class UserError(Exception):
+    """A mistake in how diloco was called; printed as one line, exit code 2."""
+
+
+def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
+    g = p.add_argument_group("synchronisation (defaults come from --mode)")
+    g.add_argument("--mode", default="decoupled", choices=modes, help="decoupled (default), streaming, diloco or dp")
+    g.add_argument("--fragments", "-P", type=int, help="P: fragments the model is split into (decoupled: 24)")
+    g.add_argument("--sync-every", "-H", type=int, help="H: inner steps between pushes of one fragment (24)")
+    g.add_argument("--overlap", type=int, help="τ: steps between a push and applying its merged result (2)")
+    g.add_argument("--quorum", "-K", type=int, help="K: learners a round needs (decoupled: 1; others: all)")
+    g.add_argument("--codec", choices=CODECS, help="outer-gradient codec (decoupled: int4)")
+    g.add_argument("--down-codec", choices=CODECS, help="codec of merged fragments sent back (decoupled: int8)")
+    g.add_argument("--grace", type=float, help="fixed grace window in seconds (default: adaptive)")
+    g.add_argument("--merge", choices=("rda", "mean"), help="merge rule for non-embedding tensors (rda)")
+    g.add_argument("--outer-lr", type=float, help="η of the Nesterov outer step (0.7)")
+    g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (0.9)")
+    g.add_argument("--max-staleness", type=int, help="refuse contributions this many versions behind (16)")
+    g.add_argument("--staleness-decay", type=float, help="λ: weight / (1 + λ·staleness) (0)")
+    g.add_argument("--blend", type=float, help="α: keep this share of local progress on apply (0: overwrite)")
+    g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")
+    g.add_argument("--heartbeat-seconds", type=float, help=argparse.SUPPRESS)
+    g.add_argument("--absent-after-seconds", type=float, help="a learner silent this long is absent (10)")
+
+
+def sync_overrides(args) -> dict:
+    return {name: getattr(args, name) for name in SYNC_FLAGS}
+
+
+def add_train_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("built-in trainer")
+    g.add_argument("--train-config", type=Path, help="JSON file of the training settings (written by `diloco run`)")
+    g.add_argument("--corpus", nargs="+", metavar="PATH", help="your own UTF-8 text files or folders (default: Shakespeare)")
+    g.add_argument("--seed", type=int, help="seed of the model initialisation and data order (0)")
+    g.add_argument("--batch-size", type=int, help="sequences per inner step per learner (16)")
+    g.add_argument("--lr", type=float, help="inner AdamW learning rate")
+
+
+def train_config(args):
+    from dataclasses import replace
+
+    from diloco.train.config import TrainConfig
+    from diloco.train.loop import train_config_from_json
+
+    cfg = train_config_from_json(args.train_config.read_text()) if getattr(args, "train_config", None) else TrainConfig()
+    changes = {k: getattr(args, k, None) for k in ("corpus", "seed", "batch_size", "lr")}
+    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+
+
+def address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def cmd_syncer(args) -> int:
+    from diloco.config import for_mode
+    from diloco.syncer.server import ServerOptions, serve
+
+    if args.sync_config:
+        from diloco.config import SyncConfig, validate
+
+        cfg = SyncConfig.from_json(args.sync_config.read_text())
+        validate(cfg)
+    else:
+        cfg = for_mode(args.mode, args.learners, **sync_overrides(args))
+    opts = ServerOptions(listen=args.listen, http=args.http, out=args.state, token=args.token,
+                         token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
+                         snapshot_tokens=args.snapshot_tokens)
+    status = asyncio.run(serve(cfg, opts))
+    print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
+    return 0
+
+
+def cmd_learner(args) -> int:
+    import torch
+
+    from diloco.learner.grpc_transport import GrpcTransport
+    from diloco.train.loop import WorkerOptions, run_learner
+
+    torch.set_num_threads(args.threads)
+    cfg = train_config(args)
+    opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.max_steps, args.metrics)
+    transport = GrpcTransport(args.syncer, token=args.token or "", connect_timeout=args.connect_timeout)
+    summary = run_learner(cfg, transport, opts)
+    print(f"learner {summary['id']}: {summary['steps']} steps, {summary['tokens']} tokens, "
+          f"{summary['pushes']} pushes, {summary['applied']} fragments applied")
+    if args.summary:
+        import json
+
+        args.summary.parent.mkdir(parents=True, exist_ok=True)
+        args.summary.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco",
+        description="Decoupled DiLoCo: train one model on several independent, unreliable learners.",
+    )
+    parser.add_argument("--version", action="version", version=f"diloco {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    from diloco.run import cli as run_cli
+
+    run_cli.register(sub, add_sync_options, add_train_options)
+
+    p = sub.add_parser("syncer", help="run the central syncer alone", description="Serve the global model to learners.")
+    p.add_argument("--listen", type=address, default="127.0.0.1:50051", help="gRPC HOST:PORT (127.0.0.1:50051)")
+    p.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of /status and /metrics")
+    p.add_argument("--learners", type=int, default=1, help="learners expected (sets K for streaming/diloco)")
+    p.add_argument("--state", type=Path, help="directory for snapshots, the final model and syncer.json")
+    p.add_argument("--token", help="shared secret learners must present (required beyond loopback)")
+    p.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total")
+    p.add_argument("--duration", type=float, help="stop the run this many seconds after the first join")
+    p.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between model snapshots in --state")
+    p.add_argument("--snapshot-tokens", type=int, default=0, help="trained tokens between model snapshots in --state")
+    p.add_argument("--sync-config", type=Path, help=argparse.SUPPRESS)  # resolved settings from `diloco run`
+    add_sync_options(p, modes=("decoupled", "streaming", "diloco"))
+    p.set_defaults(func=cmd_syncer)
+
+    p = sub.add_parser("learner", help="run one learner of the built-in trainer", description="Train as one learner.")
+    p.add_argument("--syncer", type=address, required=True, help="HOST:PORT of the syncer")
+    p.add_argument("--id", required=True, help="stable learner name; re-joining under it resumes its data")
+    p.add_argument("--token", help="the syncer's shared secret")
+    p.add_argument("--shard", type=int, default=0, help="which data shard to read (0)")
+    p.add_argument("--num-shards", type=int, default=1, help="how many shards the data is cut into (1)")
+    p.add_argument("--speed", type=float, default=1.0, help="emulated speed factor; 0.25 = four times slower")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps")
+    p.add_argument("--metrics", type=Path, help="append per-step JSON lines to this file")
+    p.add_argument("--summary", type=Path, help="write this learner's summary JSON here at the end")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several learners share a machine)")
+    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep retrying an unreachable syncer")
+    add_train_options(p)
+    p.set_defaults(func=cmd_learner)
+
+    from diloco.sim import cli as sim_cli
+
+    sim_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from diloco.learner.transport import SyncerError
+    from diloco.run.local import RunFailed
+
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("diloco: interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, SyncerError, OSError, RunFailed) as e:
+        print(f"diloco {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""`diloco run`: a syncer and N learners (or N data-parallel workers) on this machine, then a report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def parse_speeds(text: str | None, learners: int) -> list[float]:
+    if not text:
+        return [1.0] * learners
+    try:
+        speeds = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--speeds must be comma-separated numbers like 1,1,0.5,0.25, got {text!r}") from None
+    if len(speeds) != learners:
+        raise ValueError(f"--speeds lists {len(speeds)} factors for {learners} learners; give one per learner")
+    if any(not 0 < s <= 1 for s in speeds):
+        raise ValueError(f"speed factors must be in (0, 1] (1 = full speed, 0.25 = four times slower), got {text}")
+    return speeds
+
+
+def register(sub, add_sync_options, add_train_options) -> None:
+    p = sub.add_parser(
+        "run", help="train on this machine: a syncer and N learner processes (the main job)",
+        description="Start a syncer and N learners on this machine, train the built-in transformer on a real "
+                    "corpus with live progress, then print a summary and write a run directory.",
+    )
+    p.add_argument("--learners", "-M", type=int, default=4, help="learner processes (4)")
+    b = p.add_argument_group("budget (default: --duration 120)")
+    b.add_argument("--steps", type=int, help="inner steps per learner")
+    b.add_argument("--tokens", type=int, help="tokens trained in total over all learners")
+    b.add_argument("--duration", type=float, help="seconds of training")
+    p.add_argument("--speeds", help="per-learner speed factors, e.g. 1,1,0.5,0.25 (slower = longer steps)")
+    p.add_argument("--out", type=Path, help="run directory (default runs/<time>-<mode>)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no live display")
+    p.add_argument("--snapshots", type=int, default=8, help="global-model snapshots for the eval-loss curve (8)")
+    p.add_argument("--model", choices=("small", "tiny"), default="small",
+                   help="built-in model size: small (default, ~0.8M parameters) or tiny (fast checks)")
+    add_sync_options(p)
+    add_train_options(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from diloco.run.local import run_local
+
+    return run_local(args)

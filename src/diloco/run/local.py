@@ -1,0 +1,217 @@
+"""Orchestrates `diloco run`: launches processes, shows progress, stops them, and writes the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from diloco.config import for_mode
+from diloco.run.cli import parse_speeds
+from diloco.run.display import progress_table
+from diloco.run.report import build_report, print_summary
+from diloco.train.config import ModelConfig, TrainConfig
+from diloco.train.loop import train_config_to_json
+
+DEFAULT_DURATION = 120.0
+
+
+class RunFailed(RuntimeError):
+    """A process of the run failed; the message names its log."""
+TINY = ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2)
+
+
+@dataclass
+class Plan:
+    mode: str
+    learners: int
+    speeds: list[float]
+    out: Path
+    train: TrainConfig
+    steps: int | None
+    tokens: int | None
+    duration: float | None
+
+
+def make_plan(args) -> Plan:
+    from diloco.cli import sync_overrides, train_config
+
+    if args.learners < 1:
+        raise ValueError(f"--learners must be at least 1, got {args.learners}")
+    speeds = parse_speeds(args.speeds, args.learners)
+    for flag in ("steps", "tokens", "duration"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag} must be positive, got {value}")
+    duration = args.duration
+    if args.steps is None and args.tokens is None and duration is None:
+        duration = DEFAULT_DURATION
+    train = train_config(args)
+    if args.model == "tiny":
+        train = replace(train, model=TINY)
+    if args.mode != "dp":
+        sync = for_mode(args.mode, args.learners, **sync_overrides(args))
+        from diloco.fragments import plan_fragments, tensor_specs
+        from diloco.train.model import build_model
+
+        plan_fragments(tensor_specs(build_model(train.model, train.seed)), sync.fragments)  # refuse a bad P now
+    out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}"
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"run directory {out} exists and is not empty; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.json").write_text(train_config_to_json(train))
+    if args.mode != "dp":
+        (out / "sync_config.json").write_text(sync.to_json())
+    return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration)
+
+
+def budget_text(plan: Plan) -> str:
+    if plan.tokens:
+        return f"budget {plan.tokens:,} tokens"
+    if plan.steps:
+        return f"budget {plan.steps} steps/learner"
+    return f"budget {plan.duration:.0f}s"
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, timeout: float, what: str, log: Path) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            raise RunFailed(f"{what} exited with code {proc.returncode} before it was ready; see {log}")
+        time.sleep(0.05)
+    raise RunFailed(f"{what} not ready after {timeout:.0f}s; see {log}")
+
+
+def _fetch_status(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class Progress:
+    """A live table on a terminal; a line every 15 s otherwise; nothing with --json or --no-progress."""
+
+    def __init__(self, plan: Plan, enabled: bool):
+        self.plan, self.started = plan, time.monotonic()
+        self.console = Console(stderr=True)
+        self.enabled = enabled
+        self.live = Live(console=self.console, refresh_per_second=4) if enabled and self.console.is_terminal else None
+        self._last_line = 0.0
+
+    def __enter__(self):
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self, status: dict | None) -> None:
+        if not status or not self.enabled:
+            return
+        elapsed = time.monotonic() - self.started
+        if self.live:
+            self.live.update(progress_table(status, elapsed, budget_text(self.plan)))
+        elif elapsed - self._last_line >= 15:
+            self._last_line = elapsed
+            losses = [f"{x['loss']:.3f}" for x in status.get("learners", []) if x.get("loss") is not None]
+            self.console.print(f"[{elapsed:5.0f}s] rounds {status.get('rounds', 0)} tokens {status.get('tokens_trained', 0):,} "
+                               f"losses {' '.join(losses)}")
+
+
+def run_local(args) -> int:
+    plan = make_plan(args)
+    progress = Progress(plan, enabled=not (args.json or args.no_progress))
+    started = time.time()
+    if plan.mode == "dp":
+        from diloco.baselines.launch import run_dp
+
+        learners, source = run_dp(plan, progress)
+    else:
+        learners, source = _run_with_syncer(plan, progress, args.snapshots)
+    report = build_report(plan, learners, source, started)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_summary(report, Console())
+    failed = [x["id"] for x in learners if x.get("exit_code")]
+    return 1 if failed else 0
+
+
+def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int):
+    py = [sys.executable, "-m", "diloco"]
+    syncer_dir = plan.out / "syncer"
+    cmd = py + ["syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state", str(syncer_dir),
+                "--sync-config", str(plan.out / "sync_config.json")]
+    if plan.tokens:
+        cmd += ["--tokens", str(plan.tokens)]
+    if plan.duration:
+        cmd += ["--duration", str(plan.duration), "--snapshot-every", str(plan.duration / max(snapshots, 1))]
+    else:  # token or step budgets: snapshot by tokens trained
+        total = plan.tokens or plan.steps * plan.learners * plan.train.tokens_per_step()
+        cmd += ["--snapshot-tokens", str(max(1, total // max(snapshots, 1)))]
+    syncer = _spawn(cmd, plan.out / "logs" / "syncer.log")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        ready = _wait_file(syncer_dir / "ready.json", syncer, 60, "the syncer", plan.out / "logs" / "syncer.log")
+        address = f"127.0.0.1:{ready['grpc_port']}"
+        for i, speed in enumerate(plan.speeds):
+            lid = f"learner-{i}"
+            cmd = py + ["learner", "--syncer", address, "--id", lid, "--shard", str(i), "--num-shards", str(plan.learners),
+                        "--speed", str(speed), "--train-config", str(plan.out / "train_config.json"),
+                        "--metrics", str(plan.out / "metrics" / f"{lid}.jsonl"),
+                        "--summary", str(plan.out / "learners" / f"{lid}.json")]
+            if plan.steps:
+                cmd += ["--max-steps", str(plan.steps)]
+            procs[lid] = _spawn(cmd, plan.out / "logs" / f"{lid}.log")
+        with progress:
+            while any(p.poll() is None for p in procs.values()):
+                progress.update(_fetch_status(ready["http_port"]))
+                time.sleep(0.5)
+            progress.update(_fetch_status(ready["http_port"]))
+    finally:
+        for p in procs.values():
+            _stop(p)
+        _stop(syncer)
+    learners = []
+    for lid, p in procs.items():
+        path = plan.out / "learners" / f"{lid}.json"
+        summary = json.loads(path.read_text()) if path.exists() else {"id": lid}
+        summary["exit_code"] = p.returncode
+        learners.append(summary)
+    syncer_path = syncer_dir / "syncer.json"
+    if not syncer_path.exists():
+        raise RunFailed(f"the syncer wrote no final state; see {plan.out / 'logs' / 'syncer.log'}")
+    return learners, json.loads(syncer_path.read_text())

@@ -1,0 +1,174 @@
+"""The end of a run: evaluate the global model's snapshots, account goodput and uptime, write the run directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from safetensors import safe_open
+
+from diloco.run.display import human_bytes
+from diloco.train.data import Corpus, eval_batches, evaluate, sample_text
+from diloco.train.model import build_model, count_parameters
+from diloco.train.tokenizer import ByteTokenizer
+
+
+def load_params(model: torch.nn.Module, path: Path) -> dict:
+    """Copy a saved global model into `model` by parameter name; returns the file's metadata."""
+    params = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt") as f:
+        missing = set(params) - set(f.keys())
+        if missing:
+            raise ValueError(f"{path} lacks parameters {sorted(missing)[:3]}: it was saved from a different model")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(f.get_tensor(name))
+        return dict(f.metadata() or {})
+
+
+def read_metrics(folder: Path) -> dict[str, list[dict]]:
+    out = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        lines = []
+        for line in path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+        out[path.stem] = lines
+    return out
+
+
+def uptime(advances: list[float], start: float, end: float, interval: float) -> float:
+    """Share of [start, end) cut into windows of `interval` seconds in which the model advanced at least once."""
+    if end <= start or interval <= 0:
+        return 0.0
+    windows = max(1, int((end - start) // interval))
+    hit = {min(int((t - start) // interval), windows - 1) for t in advances if start <= t < start + windows * interval}
+    return len(hit) / windows
+
+
+def build_report(plan, learners: list[dict], source: dict, started_unix: float) -> dict:
+    torch.set_num_threads(2)
+    out, train = plan.out, plan.train
+    metrics = read_metrics(out / "metrics")
+    lines = [x for ls in metrics.values() for x in ls]
+    t0 = min((x["t"] for x in lines), default=started_unix)
+    t1 = max((x["t"] for x in lines), default=started_unix)
+    wall = t1 - t0
+    tokens_per_step = train.tokens_per_step()
+    for summary in learners:
+        ls = metrics.get(summary["id"], [])
+        busy = sorted(x["busy"] for x in ls) or [float("nan")]
+        summary.setdefault("steps", len(ls))
+        summary["healthy_tokens_per_second"] = tokens_per_step / busy[len(busy) // 2] if ls else 0.0
+    capacity = sum(s["healthy_tokens_per_second"] for s in learners) * wall
+    tokens_trained = sum(s.get("tokens", 0) for s in learners)
+    step_median = statistics.median([x["busy"] for x in lines]) if lines else float("nan")
+
+    if plan.mode == "dp":
+        tokens_merged, rounds, wire = tokens_trained, source["steps"], source["wire_bytes"]
+        advances = [x["t"] for x in metrics.get("learner-0", [])]
+        interval = 2 * step_median
+        model_dir, config = out / "dp", {"fragments": 1, "sync_every": 1, "overlap": 0, "codec": "fp32"}
+    else:
+        cfg = json.loads((out / "sync_config.json").read_text())
+        tokens_merged, rounds, wire = source["tokens_merged"], source["rounds"], source["wire_bytes"]
+        advances = [source["started_unix"] + t for t, *_ in source.get("round_log", [])]
+        fastest = min((s["busy_seconds_median"] for s in learners if s.get("busy_seconds_median")), default=step_median)
+        interval = 2 * cfg["sync_every"] / cfg["fragments"] * fastest
+        model_dir, config = out / "syncer", cfg
+
+    model = build_model(train.model, train.seed)
+    corpus = Corpus.from_config(train)
+    batches = eval_batches(corpus.heldout, train.model.seq_len, train.eval_batches, train.eval_batch_size)
+    curve = [{"seconds": 0.0, "tokens_trained": 0, "tokens_merged": 0, "eval_loss": evaluate(model, batches)}]
+    for path in sorted((model_dir / "snapshots").glob("*.safetensors")):
+        meta = load_params(model, path)
+        curve.append({"seconds": float(meta.get("seconds", 0)), "tokens_trained": int(float(meta.get("tokens_trained", 0))),
+                      "tokens_merged": float(meta.get("tokens_merged", 0)), "eval_loss": evaluate(model, batches)})
+    final_path = model_dir / "model.safetensors"
+    load_params(model, final_path)
+    final_loss = evaluate(model, batches)
+    shutil.copyfile(final_path, out / "model.safetensors")
+    sample = sample_text(model, ByteTokenizer(), prompt="**ROMEO**  \n", max_new_tokens=300, seed=train.seed)
+    (out / "sample.txt").write_text(sample + "\n")
+
+    report = {
+        "mode": plan.mode,
+        "learners": plan.learners,
+        "speeds": plan.speeds,
+        "wall_seconds": round(wall, 3),
+        "tokens_trained": tokens_trained,
+        "tokens_merged": round(tokens_merged),
+        "initial_eval_loss": curve[0]["eval_loss"],
+        "final_eval_loss": final_loss,
+        "eval_loss_reduction": 1 - final_loss / curve[0]["eval_loss"],
+        "wire_bytes": int(wire),
+        "rounds": rounds,
+        "goodput": tokens_merged / capacity if capacity else 0.0,
+        "uptime": uptime(advances, t0, t1, interval),
+        "model_parameters": count_parameters(model),
+        "step_seconds_median": step_median,
+        "config": config,
+        "train": json.loads((out / "train_config.json").read_text()),
+        "per_learner": learners,
+        "eval_curve": curve,
+        "sample": sample,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    plot_curve(curve, plan.mode, out / "eval_loss.png")
+    return report
+
+
+def plot_curve(curve: list[dict], mode: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    a.plot([c["tokens_trained"] for c in curve], [c["eval_loss"] for c in curve], marker="o")
+    a.set_xlabel("tokens trained (all learners)")
+    a.set_ylabel("held-out loss (nats/byte)")
+    b.plot([c["seconds"] for c in curve], [c["eval_loss"] for c in curve], marker="o")
+    b.set_xlabel("wall-clock (s)")
+    fig.suptitle(f"global model, mode {mode}")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_summary(report: dict, console: Console) -> None:
+    t = Table(title=f"diloco run · {report['mode']} · {report['learners']} learners", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    rows = [
+        ("wall-clock", f"{report['wall_seconds']:.1f} s"),
+        ("tokens trained / merged", f"{report['tokens_trained']:,} / {report['tokens_merged']:,}"),
+        ("eval loss initial → final", f"{report['initial_eval_loss']:.3f} → {report['final_eval_loss']:.3f} "
+                                      f"(−{100 * report['eval_loss_reduction']:.1f}%)"),
+        ("rounds", f"{report['rounds']:,}"),
+        ("wire bytes", human_bytes(report["wire_bytes"])),
+        ("goodput", f"{report['goodput']:.3f}"),
+        ("uptime", f"{report['uptime']:.3f}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    lt = Table(title="learners", title_justify="left")
+    for col in ("id", "speed", "steps", "tokens", "pushes", "applied", "tokens/s", "exit"):
+        lt.add_column(col, justify="left" if col == "id" else "right")
+    for s in report["per_learner"]:
+        lt.add_row(s["id"], f"{s.get('speed', 1):.2f}", f"{s.get('steps', 0):,}", f"{s.get('tokens', 0):,}",
+                   str(s.get("pushes", "–")), str(s.get("applied", "–")), f"{s.get('healthy_tokens_per_second', 0):,.0f}",
+                   str(s.get("exit_code", "")))
+    console.print(lt)
+    console.print(f"sample: {report['sample'][:160]!r}…")

@@ -1,0 +1,129 @@
+"""The built-in trainer: one readable loop per learner process, used by `diloco learner` and `diloco run`."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from diloco.learner.learner import Learner
+from diloco.learner.transport import Transport
+from diloco.train.config import ModelConfig, TrainConfig, lr_at, make_inner_optimizer
+from diloco.train.data import Corpus, ShardSampler
+from diloco.train.model import build_model
+
+
+@dataclass
+class WorkerOptions:
+    learner_id: str
+    """Stable name of this learner; re-joining under it resumes its ledger and data position."""
+    shard: int = 0
+    """Which part of the training data this learner reads."""
+    num_shards: int = 1
+    """Into how many disjoint parts the training data is cut."""
+    speed: float = 1.0
+    """Emulated hardware speed: each step is stretched to 1/speed of its compute time (0.25 = four times slower)."""
+    max_steps: int | None = None
+    """Stop after this many inner steps even if the syncer has not said stop."""
+    metrics_path: Path | None = None
+    """Where to append one JSON line per step."""
+
+
+def train_config_to_json(cfg: TrainConfig) -> str:
+    return json.dumps(asdict(cfg), indent=2)
+
+
+def train_config_from_json(text: str) -> TrainConfig:
+    raw = json.loads(text)
+    raw["model"] = ModelConfig(**raw.get("model", {}))
+    if "betas" in raw:
+        raw["betas"] = tuple(raw["betas"])
+    return TrainConfig(**raw)
+
+
+@dataclass
+class StepClock:
+    """Measures a step's busy time (compute plus emulated slowness) and stretches it to the emulated speed."""
+
+    speed: float = 1.0
+    busy: list[float] = field(default_factory=list)
+
+    def start(self) -> float:
+        return time.monotonic()
+
+    def finish(self, started: float) -> float:
+        compute = time.monotonic() - started
+        if self.speed < 1.0:
+            time.sleep(compute * (1.0 / self.speed - 1.0))
+        busy = time.monotonic() - started
+        self.busy.append(busy)
+        return busy
+
+
+class MetricsLog:
+    """One JSON object per line; flushed at each write so a crash loses at most the line being written."""
+
+    def __init__(self, path: Path | None):
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", buffering=1)
+
+    def write(self, **record) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+def train_step(model, optimizer, x, y, step: int, cfg: TrainConfig) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    _, loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
+def run_learner(cfg: TrainConfig, transport: Transport, opts: WorkerOptions, corpus: Corpus | None = None) -> dict:
+    """Train until the syncer says stop (or max_steps); returns this learner's summary."""
+    corpus = corpus or Corpus.from_config(cfg)
+    model = build_model(cfg.model, cfg.seed)
+    learner = Learner(model, transport, opts.learner_id, speed=opts.speed)
+    optimizer = make_inner_optimizer(model, cfg)
+    sampler = ShardSampler(corpus.train, opts.shard, opts.num_shards, cfg.model.seq_len, cfg.batch_size, cfg.seed,
+                           position=learner.data_position)
+    clock, log = StepClock(opts.speed), MetricsLog(opts.metrics_path)
+    tokens_per_step = cfg.tokens_per_step()
+    started = time.time()
+    try:
+        while not learner.should_stop and (opts.max_steps is None or learner.step_count < opts.max_steps):
+            t0 = clock.start()
+            x, y = sampler.next_batch()
+            loss = train_step(model, optimizer, x, y, learner.step_count, cfg)
+            busy = clock.finish(t0)
+            learner.step(tokens_per_step, loss=loss, data_position=sampler.position)
+            log.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
+                      tokens_per_second=tokens_per_step / busy, pushes=learner.pushes, applied=learner.applied,
+                      versions=learner.global_fragment_versions())
+        learner.finish()
+    except BaseException:
+        learner.close()
+        raise
+    finally:
+        log.close()
+    busy = sorted(clock.busy) or [float("nan")]
+    return {
+        "id": opts.learner_id, "steps": learner.step_count, "tokens": learner.tokens, "pushes": learner.pushes,
+        "applied": learner.applied, "skipped": learner.skipped, "refused": learner.refused, "speed": opts.speed,
+        "busy_seconds_median": busy[len(busy) // 2], "wall_seconds": time.time() - started,
+        "wire_bytes": transport.wire_bytes,
+    }

@@ -1,0 +1,98 @@
+"""Helpers between the algorithm's types and the protobuf messages: specs, chunked payloads, byte counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from diloco import codec
+from diloco.fragments import TensorSpec
+from diloco.wire import diloco_pb2 as pb
+
+CHUNK_BYTES = 2 << 20
+MAX_MESSAGE_BYTES = 16 << 20  # one chunk plus headroom; raised from gRPC's 4 MiB default on both ends
+KEEPALIVE_MS = 10_000
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+
+
+def wire_size(message) -> int:
+    """Bytes a message occupies on a gRPC stream: serialized size plus the 5-byte length prefix."""
+    return message.ByteSize() + 5
+
+
+def specs_to_proto(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
+    return [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, embedding=s.embedding) for s in specs]
+
+
+def specs_from_proto(specs) -> list[TensorSpec]:
+    return [TensorSpec(s.name, tuple(int(d) for d in s.shape), s.dtype, s.embedding) for s in specs]
+
+
+def blobs(fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
+          refused: str = "") -> Iterator[pb.Blob]:
+    """A payload as a sequence of Blob chunks; the first carries all metadata, later ones repeat it (tiny)."""
+    data = payload.data
+    for offset in range(0, max(len(data), 1), CHUNK_BYTES):
+        yield pb.Blob(
+            fragment=fragment, version=version, codec=payload.codec, numel=payload.numel, total_bytes=len(data),
+            checksum=payload.checksum, offset=offset, data=data[offset : offset + CHUNK_BYTES], full=full,
+            result_checksum=result_checksum, refused=refused,
+        )
+
+
+@dataclass
+class Assembled:
+    fragment: int
+    version: int
+    payload: codec.Encoded
+    full: bool
+    result_checksum: int
+    refused: str
+
+
+class Assembler:
+    """Collects Blob chunks into payloads; refuses out-of-order, oversized or inconsistent chunks."""
+
+    def __init__(self, max_payload_bytes: int = 1 << 34):
+        self.max_payload_bytes = max_payload_bytes
+        self._parts: dict[tuple[int, int], list[pb.Blob]] = {}
+        self._size: dict[tuple[int, int], int] = {}
+
+    def add(self, blob: pb.Blob) -> Assembled | None:
+        key = (blob.fragment, blob.version)
+        if blob.total_bytes > self.max_payload_bytes:
+            raise codec.CorruptPayload(f"payload of {blob.total_bytes} bytes exceeds the {self.max_payload_bytes}-byte limit")
+        expected = self._size.get(key, 0)
+        if blob.offset != expected:
+            self._parts.pop(key, None)
+            self._size.pop(key, None)
+            raise codec.CorruptPayload(f"chunk at offset {blob.offset} of fragment {blob.fragment}, expected {expected}")
+        self._parts.setdefault(key, []).append(blob)
+        self._size[key] = expected + len(blob.data)
+        if self._size[key] < blob.total_bytes:
+            return None
+        parts = self._parts.pop(key)
+        self._size.pop(key)
+        data = b"".join(p.data for p in parts)
+        if len(data) != blob.total_bytes:
+            raise codec.CorruptPayload(f"fragment {blob.fragment}: got {len(data)} bytes, expected {blob.total_bytes}")
+        first = parts[0]
+        return Assembled(first.fragment, first.version, codec.Encoded(first.codec, first.numel, data, first.checksum),
+                         first.full, first.result_checksum, first.refused)
+
+
+def push_chunks(header: pb.PushHeader, payload: codec.Encoded) -> Iterator[pb.PushChunk]:
+    header.codec, header.numel = payload.codec, payload.numel
+    header.total_bytes, header.checksum = len(payload.data), payload.checksum
+    yield pb.PushChunk(header=header)
+    for offset in range(0, len(payload.data), CHUNK_BYTES):
+        yield pb.PushChunk(data=payload.data[offset : offset + CHUNK_BYTES])
