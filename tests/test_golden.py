@@ -141,3 +141,23 @@ def test_k_equals_m_p1_matches_reference_diloco_on_a_real_model():
     for name, p in expected.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-5)
     assert all(fs.version == rounds for fs in local.core.fragments)
+
+
+def overlap_trajectory(keep: bool) -> list[float]:
+    cfg = for_mode("decoupled", 1, fragments=1, sync_every=2, overlap=1, outer_lr=1.0, outer_momentum=0.0,
+                   codec="fp32", down_codec="fp32", keep_overlap=keep)
+    model = FixedGradient()
+    learner = Learner(model, LocalTransport(LocalSyncer(SyncerCore(cfg))), "solo")
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    out = []
+    for _ in range(6):
+        train_steps(model, opt, learner, [1.0])
+        out.append(model.w.item())
+    return out
+
+
+def test_keeping_the_overlap_reproduces_plain_training_and_overwrite_loses_the_overlapped_step():
+    # push after steps 2, 4, 6 (Δ = base − w); the merged value is applied one step later (τ = 1)
+    assert overlap_trajectory(keep=True) == [0.75, 0.5, 0.25, 0.0, -0.25, -0.5]
+    # overwrite: at step 3 w is reset to Θ = 0.5, so every third step's progress is discarded
+    assert overlap_trajectory(keep=False) == [0.75, 0.5, 0.5, 0.25, 0.25, 0.0]

@@ -78,3 +78,26 @@ def test_outer_step_with_unit_lr_and_no_momentum_is_plain_update():
     theta, v = torch.tensor([1.0, -2.0]), torch.zeros(2)
     nesterov_step(theta, torch.tensor([0.25, -0.5]), v, lr=1.0, mu=0.0)
     assert torch.equal(theta, torch.tensor([0.75, -1.5]))
+
+
+def test_delayed_momentum_equals_nesterov_for_full_rounds():
+    from diloco.outer import delayed_nesterov_step
+
+    a, va = torch.tensor([1.0]), torch.zeros(1)
+    b, vb, pending = torch.tensor([1.0]), torch.zeros(1), torch.zeros(1)
+    share = 0.0
+    for _ in range(4):
+        nesterov_step(a, torch.tensor([0.5]), va, lr=0.5, mu=0.5)
+        share = delayed_nesterov_step(b, torch.tensor([0.5]), vb, pending, 1.0, share, lr=0.5, mu=0.5)
+    assert a.item() == b.item() == -0.765625 and share == 0.0
+
+
+def test_delayed_momentum_advances_once_per_full_share():
+    from diloco.outer import delayed_nesterov_step
+
+    theta, v, pending = torch.tensor([0.0]), torch.zeros(1), torch.zeros(1)
+    share = delayed_nesterov_step(theta, torch.tensor([0.25]), v, pending, 0.5, 0.0, lr=1.0, mu=0.5)
+    assert share == 0.5 and theta.item() == -0.25 and v.item() == 0.0  # plain step, momentum untouched
+    share = delayed_nesterov_step(theta, torch.tensor([0.25]), v, pending, 0.5, share, lr=1.0, mu=0.5)
+    # second half completes a share: v = 0.5, then the look-ahead −η·μ·v = −0.25
+    assert share == 0.0 and v.item() == 0.5 and theta.item() == -0.75 and pending.item() == 0.0

@@ -14,7 +14,7 @@ from diloco.config import MODES
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
-              "absent_after_seconds")
+              "absent_after_seconds", "delayed_momentum", "keep_overlap")
 
 
 class UserError(Exception):
@@ -36,8 +36,12 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (0.9)")
     g.add_argument("--max-staleness", type=int, help="refuse contributions this many versions behind (16)")
     g.add_argument("--staleness-decay", type=float, help="λ: weight / (1 + λ·staleness) (0)")
-    g.add_argument("--blend", type=float, help="α: keep this share of local progress on apply (0: overwrite)")
+    g.add_argument("--blend", type=float, help="α: θ ← α·θ + (1−α)·Θ on apply (0: overwrite); needs --no-keep-overlap")
     g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")
+    g.add_argument("--keep-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="on apply keep the local progress made since the push (decoupled: on; others: overwrite)")
+    g.add_argument("--no-delayed-momentum", dest="delayed_momentum", action="store_false", default=None,
+                   help="advance outer momentum on every round, even partial ones")
     g.add_argument("--heartbeat-seconds", type=float, help=argparse.SUPPRESS)
     g.add_argument("--absent-after-seconds", type=float, help="a learner silent this long is absent (10)")
 

@@ -38,12 +38,22 @@ class SyncConfig:
     """Carry each fragment's quantisation error into its next push (learner side)."""
     merge: str = "rda"
     """Merge rule for non-embedding tensors: rda (radial-directional averaging) or mean."""
+    scale_partial_rounds: bool = True
+    """Scale a round's merged Δ by the share of the expected tokens it carries (its tokens over those plus the
+    typical contribution of each live learner missing from it). 1 when everyone contributes; with K = 1 and
+    learners out of step it keeps M one-learner rounds from each taking a full outer step."""
+    delayed_momentum: bool = True
+    """Advance the outer momentum once per full round's worth of contributions; partial rounds take plain
+    steps in between. Identical to Nesterov when every round is full; keeps K = 1 from diverging."""
     outer_lr: float = 0.7
-    """η of the Nesterov outer optimizer (DiLoCo's value)."""
+    """η of the Nesterov outer optimizer (DiLoCo's 0.7; decoupled mode uses 1.0)."""
     outer_momentum: float = 0.9
-    """μ of the Nesterov outer optimizer (DiLoCo's value)."""
+    """μ of the Nesterov outer optimizer (DiLoCo's 0.9; decoupled mode uses 0)."""
     blend: float = 0.0
     """α: a learner sets θ ← α·θ + (1−α)·Θ on apply; 0 overwrites (the published default)."""
+    keep_overlap: bool = False
+    """On apply, keep the local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding
+    those τ steps (overwrite). Their steps and tokens then count toward the next push."""
     staleness_decay: float = 0.0
     """λ: a contribution's weight is divided by (1 + λ·staleness)."""
     max_staleness: int = 16
@@ -67,7 +77,10 @@ def for_mode(mode: str, learners: int, **overrides) -> SyncConfig:
     if mode not in MODES or mode == "dp":
         raise ValueError(f"unknown syncer mode {mode!r}; choose decoupled, streaming or diloco (dp runs without a syncer)")
     base = {
-        "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4"),
+        # outer η = 1, μ = 0 and keeping the overlap measured best for K = 1 (docs/results.md); the synchronous
+        # modes keep DiLoCo's published 0.7 / 0.9 and overwrite, as the methods they reproduce
+        "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4", outer_lr=1.0, outer_momentum=0.0,
+                          keep_overlap=True),
         "streaming": dict(quorum=learners, wait_for_merge=True, codec="bf16", down_codec="fp32"),
         "diloco": dict(fragments=1, overlap=0, quorum=learners, wait_for_merge=True, codec="fp32", down_codec="fp32"),
     }[mode]
@@ -92,6 +105,8 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
         raise ValueError(f"--quorum {cfg.quorum} is more than the {learners} learners: no round could ever close")
     if cfg.merge not in ("rda", "mean"):
         raise ValueError(f"unknown merge rule {cfg.merge!r}; choose rda or mean")
+    if cfg.keep_overlap and cfg.blend > 0:
+        raise ValueError("--keep-overlap and --blend are two different apply rules; choose one")
     if not 0.0 <= cfg.blend < 1.0:
         raise ValueError(f"blend α must be in [0, 1), got {cfg.blend}")
     if cfg.max_staleness < 0:

@@ -32,6 +32,8 @@ class FragmentSlot:
     """Local step of the push whose merged result we still await (None: nothing in flight)."""
     ready: Arrival | None = None
     """A merged result that arrived and waits for its apply step."""
+    pushed: tuple[torch.Tensor, int, int] | None = None
+    """(local values, steps, tokens) at the push, for keeping the overlapped progress on apply."""
 
 
 class Learner:
@@ -106,7 +108,10 @@ class Learner:
         if slot.pushed_at is not None:
             self.skipped += 1  # the last push's result is still out; its Δ already covers this progress
             return
-        delta = slot.base - gather(self.params, slot.fragment)
+        local = gather(self.params, slot.fragment)
+        delta = slot.base - local
+        if self.config.keep_overlap:
+            slot.pushed = (local, slot.steps, slot.tokens)
         self._seq += 1
         self.transport.push(PushJob(slot.fragment.index, delta, slot.version, slot.steps, slot.tokens, self._seq,
                                     self.data_position))
@@ -132,12 +137,16 @@ class Learner:
         self._apply(slot, slot.ready)
 
     def _apply(self, slot: FragmentSlot, arrival: Arrival) -> None:
-        values = arrival.values
-        if self.config.blend:
+        values, steps, tokens = arrival.values, 0, 0
+        if self.config.keep_overlap and slot.pushed is not None and not arrival.refused:
+            local, pushed_steps, pushed_tokens = slot.pushed
+            values = values + (gather(self.params, slot.fragment) - local)  # steps taken since the push stay
+            steps, tokens = slot.steps - pushed_steps, slot.tokens - pushed_tokens
+        elif self.config.blend:
             values = self.config.blend * gather(self.params, slot.fragment) + (1 - self.config.blend) * values
         scatter(values, self.params, slot.fragment)
         slot.base, slot.version = arrival.values, arrival.version
-        slot.steps = slot.tokens = 0
+        slot.steps, slot.tokens, slot.pushed = steps, tokens, None
         slot.pushed_at, slot.ready = None, None
         self.applied += 1
 

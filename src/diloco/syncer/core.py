@@ -18,7 +18,7 @@ from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, plan_fragments, segments, signature
 from diloco.merge import merge, token_weight
-from diloco.outer import nesterov_step
+from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide
 from diloco.syncer.ledger import LearnerRecord
 
@@ -43,6 +43,9 @@ class FragmentState:
     theta: torch.Tensor
     momentum: torch.Tensor
     version: int = 0
+    pending_delta: torch.Tensor | None = None
+    """Σ of partial rounds' Δ since the momentum last advanced (delayed momentum)."""
+    pending_share: float = 0.0
     pending: dict[str, Contribution] = field(default_factory=dict)
     opened_at: float | None = None
     quorum_at: float | None = None
@@ -297,18 +300,38 @@ class SyncerCore:
             token_weight(c.tokens, c.steps, fs.version - c.base_version, self.cfg.staleness_decay) for c in contributions
         ]
         delta = merge([c.delta for c in contributions], weights, segments(fs.fragment), self.cfg.merge)
-        nesterov_step(fs.theta, delta, fs.momentum, self.cfg.outer_lr, self.cfg.outer_momentum)
+        share = self._round_share(contributions) if self.cfg.scale_partial_rounds else 1.0
+        if share < 1.0:
+            delta.mul_(share)
+        if self.cfg.delayed_momentum:
+            if fs.pending_delta is None:
+                fs.pending_delta = torch.zeros_like(fs.theta)
+            fs.pending_share = delayed_nesterov_step(fs.theta, delta, fs.momentum, fs.pending_delta, share,
+                                                     fs.pending_share, self.cfg.outer_lr, self.cfg.outer_momentum)
+        else:
+            nesterov_step(fs.theta, delta, fs.momentum, self.cfg.outer_lr, self.cfg.outer_momentum)
         fs.version += 1
         fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
         self.rounds += 1
         for c in contributions:
             record = self.learners[c.learner]
+            record.contribution_tokens.update(c.tokens)
             record.merged += 1
             record.tokens_merged += c.tokens / len(self.fragments)
         out = [self._publication(self.learners[c.learner], index, fs) for c in contributions]
         self.sync_avg.update(self.clock() - started)
         self.round_log.append((self.clock() - self.started_at, index, fs.version, len(contributions)))
         return out
+
+    def _round_share(self, contributions: list[Contribution]) -> float:
+        """Tokens in this round over those plus what each live learner missing from it typically brings."""
+        tokens = sum(c.tokens for c in contributions)
+        if tokens <= 0:
+            return 1.0
+        present = {c.learner for c in contributions}
+        fallback = tokens / len(contributions)
+        missing = sum(self.learners[i].contribution_tokens.value or fallback for i in self.live() - present)
+        return tokens / (tokens + missing)
 
     def _publication(self, record: LearnerRecord, index: int, fs: FragmentState) -> Publication:
         held = record.held.get(index)

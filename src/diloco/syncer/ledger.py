@@ -29,6 +29,8 @@ class LearnerRecord:
     applied: int = 0
     speed: float | None = None
     step_time: MovingAverage = field(default_factory=MovingAverage)
+    contribution_tokens: MovingAverage = field(default_factory=MovingAverage)
+    """Typical tokens per merged contribution: how much a round misses when this learner is not in it."""
     held: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per fragment, the exact values this learner holds as its base: what downlink changes are taken against."""
     seen: set[tuple[str, int]] = field(default_factory=set)

@@ -1,0 +1,75 @@
+"""Bad input gets one clear line and exit code 2, never a traceback or a hang."""
+
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from diloco.cli import main
+from diloco.config import for_mode
+from diloco.learner.grpc_transport import GrpcTransport
+from diloco.learner.learner import Learner
+from diloco.learner.transport import SyncerError
+from diloco.syncer.server import ServerOptions, SyncerThread
+
+
+def run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(main(list(argv)))
+    out = capsys.readouterr()
+    return e.value.code, out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--mode", "sideways"], "invalid choice: 'sideways'"),
+    (["run", "--codec", "int3"], "invalid choice: 'int3'"),
+    (["run", "--quorum", "5", "--learners", "4"], "--quorum 5 is more than the 4 learners"),
+    (["run", "--fragments", "500"], "cannot split this model into 500 fragments"),
+    (["run", "--speeds", "1,2", "--learners", "2"], "speed factors must be in (0, 1]"),
+    (["run", "--speeds", "1,1", "--learners", "3"], "lists 2 factors for 3 learners"),
+    (["run", "--learners", "0"], "--learners must be at least 1"),
+    (["run", "--steps", "-3"], "--steps must be positive"),
+    (["learner", "--syncer", "nohost", "--id", "x"], "expected HOST:PORT"),
+])
+def test_bad_flags_are_refused_clearly(capsys, tmp_path, argv, message):
+    code, err = run_cli(capsys, *argv, "--out", str(tmp_path / "run")) if argv[0] == "run" else run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_syncer_retries_then_says_what_to_do(capsys):
+    code, err = run_cli(capsys, "learner", "--syncer", f"127.0.0.1:{closed_port()}", "--id", "x", "--connect-timeout", "1.5")
+    assert code == 2
+    assert "cannot reach the syncer" in err and "attempts" in err and "diloco syncer --listen" in err
+
+
+class Net(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(8, 4)
+        self.lin = nn.Linear(4, width)
+
+
+def test_model_mismatch_over_grpc_names_the_first_differing_tensor():
+    syncer = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4), ServerOptions(listen="127.0.0.1:0", http=None))
+    try:
+        first = Learner(Net(3), GrpcTransport(syncer.address), "a")
+        with pytest.raises(SyncerError, match=r"model mismatch \(tensor #1: expected lin.weight \[3, 4\] float32, got lin.weight \[5, 4\]"):
+            Learner(Net(5), GrpcTransport(syncer.address, connect_timeout=5), "b")
+        first.close()
+    finally:
+        syncer.stop()
+
+
+def test_syncer_beyond_loopback_requires_a_token(capsys):
+    code, err = run_cli(capsys, "syncer", "--listen", "0.0.0.0:0", "--http", "127.0.0.1:0")
+    assert code == 2 and "needs a shared secret: pass --token" in err

@@ -1,0 +1,201 @@
+"""SyncerCore under a fake clock: membership, validation, rounds, staleness, idempotency, downlink."""
+
+import pytest
+import torch
+
+from diloco import codec
+from diloco.config import for_mode
+from diloco.fragments import TensorSpec, plan_fragments
+from diloco.learner.transport import Receiver
+from diloco.syncer.core import Refused, SyncerCore
+
+SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_core(learners=2, **overrides):
+    clock = Clock()
+    cfg = for_mode("decoupled", learners, fragments=3, sync_every=6, codec="fp32", **overrides)
+    core = SyncerCore(cfg, clock=clock)
+    flats = [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)]
+    core.initialize(SPECS, flats)
+    return core, clock
+
+
+def push(core, lid, session, seq, fragment=1, value=0.5, base_version=None, steps=4, tokens=400):
+    n = core.fragments[fragment].fragment.numel
+    payload = codec.encode(torch.full((n,), value), "fp32")
+    base = core.fragments[fragment].version if base_version is None else base_version
+    return core.push(lid, session, seq, fragment, base, steps, tokens, payload)
+
+
+def test_join_refuses_a_different_model_naming_the_first_differing_tensor():
+    core, _ = make_core()
+    wrong = [SPECS[0], TensorSpec("w1", (3, 3), "float32"), SPECS[2]]
+    with pytest.raises(Refused, match=r"tensor #1: expected w1 \[3, 2\] float32, got w1 \[3, 3\] float32"):
+        core.join("a", wrong)
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda p: codec.Encoded(p.codec, p.numel, p.data[:-4] + b"\0\0\0\0", p.checksum), "corrupt payload"),
+    (lambda p: codec.encode(torch.full((p.numel,), float("nan")), "fp32"), "non-finite"),
+    (lambda p: codec.encode(torch.zeros(p.numel + 1), "fp32"), "bad shape"),
+])
+def test_bad_contributions_are_refused_and_never_merged(mutate, reason):
+    core, _ = make_core()
+    s = core.join("a", SPECS)
+    n = core.fragments[1].fragment.numel
+    bad = mutate(codec.encode(torch.ones(n), "fp32"))
+    result = core.push("a", s, 1, 1, 0, 4, 400, bad)
+    assert not result.accepted and reason in result.reason and result.resync
+    assert core.fragments[1].pending == {} and core.poll() == [] and core.fragments[1].version == 0
+
+
+def test_unknown_learner_stale_session_and_bad_fragment():
+    core, _ = make_core()
+    with pytest.raises(Refused, match="unknown learner"):
+        push(core, "ghost", "x", 1)
+    s1 = core.join("a", SPECS)
+    core.join("a", SPECS)  # re-join elsewhere: the first session is stale now
+    with pytest.raises(Refused, match="stale session"):
+        push(core, "a", s1, 1)
+    s = core.learners["a"].session
+    result = core.push("a", s, 1, 7, 0, 1, 1, codec.encode(torch.zeros(2), "fp32"))
+    assert not result.accepted and "bad fragment" in result.reason
+
+
+def test_k1_round_waits_grace_then_merges_token_weighted():
+    core, clock = make_core(grace=1.0, outer_lr=0.7, outer_momentum=0.9)
+    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    before = core.fragments[1].theta.clone()
+    assert push(core, "a", sa, 1, value=1.0, tokens=300, steps=3).accepted
+    assert core.poll() == []  # quorum of 1 reached, grace open: b may still come
+    assert core.next_wakeup() == pytest.approx(101.0)
+    clock.now += 0.5
+    assert push(core, "b", sb, 1, value=1.0, tokens=100, steps=1).accepted
+    pubs = core.poll()  # every live learner is in: closes early
+    assert sorted(p.learner for p in pubs) == ["a", "b"] and core.fragments[1].version == 1
+    assert core.learners["a"].tokens_merged == pytest.approx(300 / 3)
+    # equal directions and norms: RDA gives Δ = 1 everywhere, first Nesterov step moves by η(1 + μ)
+    lr, mu = core.cfg.outer_lr, core.cfg.outer_momentum
+    assert torch.allclose(core.fragments[1].theta, before - lr * (1 + mu))
+
+
+def test_grace_window_end_closes_without_the_slow_learner():
+    core, clock = make_core(grace=1.0)
+    sa, _ = core.join("a", SPECS), core.join("b", SPECS)
+    push(core, "a", sa, 1)
+    assert core.poll() == []
+    clock.now += 1.0
+    assert [p.learner for p in core.poll()] == ["a"]
+
+
+def test_absent_learner_is_not_waited_for():
+    core, clock = make_core(learners=2, quorum=1, grace=100.0)
+    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    push(core, "a", sa, 1)
+    assert core.poll() == []
+    clock.now += core.cfg.absent_after_seconds + 0.1
+    core.heartbeat("a", sa)
+    assert core.live() == frozenset({"a"})
+    assert len(core.poll()) == 1
+
+
+def test_duplicate_push_is_merged_at_most_once():
+    core, _ = make_core(grace=0.0)
+    s = core.join("a", SPECS)
+    core.join("b", SPECS)
+    assert push(core, "a", s, 5).accepted
+    again = push(core, "a", s, 5)
+    assert again.accepted and again.duplicate
+    assert core.fragments[1].pending["a"].tokens == 400
+
+
+def test_newer_push_replaces_older_keeping_counter_sum():
+    core, _ = make_core(grace=100.0)
+    s = core.join("a", SPECS)
+    core.join("b", SPECS)
+    push(core, "a", s, 1, value=1.0, steps=2, tokens=200)
+    push(core, "a", s, 2, value=3.0, steps=4, tokens=400)
+    c = core.fragments[1].pending["a"]
+    assert (c.steps, c.tokens) == (6, 600) and torch.all(c.delta == 3.0)
+
+
+def test_too_stale_contribution_is_refused_with_resync():
+    core, _ = make_core(max_staleness=1, grace=0.0)
+    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    core.leave("b", sb)
+    for seq in (1, 2):
+        push(core, "a", sa, seq)
+        core.poll()
+    assert core.fragments[1].version == 2
+    result = push(core, "b", core.join("b", SPECS), 9, base_version=0)
+    assert not result.accepted and result.resync and "version 0" in result.reason
+    pub = core.resync("b", core.learners["b"].session, 1)
+    assert pub.full and pub.version == 2
+
+
+@pytest.mark.parametrize("down", ["int8", "int4", "bf16", "fp32"])
+def test_downlink_changes_keep_learner_and_syncer_in_step(down):
+    core, _ = make_core(learners=1, grace=0.0, down_codec=down)
+    s = core.join("a", SPECS)
+    receiver = Receiver()
+    receiver.reset(core.snapshot_for_join("a"))
+    g = torch.Generator().manual_seed(0)
+    for seq in range(1, 8):
+        n = core.fragments[1].fragment.numel
+        core.push("a", s, seq, 1, core.fragments[1].version, 2, 200, codec.encode(torch.randn(n, generator=g), "fp32"))
+        for pub in core.poll():
+            assert receiver.accept(pub)
+    held = receiver.drain(None)[-1].values
+    assert torch.equal(held, core.learners["a"].held[1])
+    err = (held - core.fragments[1].theta).abs().max().item()
+    assert err == 0.0 if down == "fp32" else err < 0.5
+
+
+def test_token_budget_and_duration_stop_the_run():
+    core, clock = make_core()
+    core.token_budget = 1000
+    s = core.join("a", SPECS)
+    assert not core.heartbeat("a", s, tokens_trained=999)
+    assert core.heartbeat("a", s, tokens_trained=1000)
+    core2, clock2 = make_core()
+    core2.duration = 5.0
+    s2 = core2.join("a", SPECS)
+    assert not core2.heartbeat("a", s2)
+    clock2.now += 5.0
+    assert core2.heartbeat("a", s2)
+
+
+def test_partial_round_is_scaled_by_its_share_of_expected_tokens():
+    core, clock = make_core(learners=4, grace=0.0, outer_momentum=0.0, outer_lr=1.0)
+    sessions = {x: core.join(x, SPECS) for x in "abcd"}
+    before = core.fragments[1].theta.clone()
+    push(core, "a", sessions["a"], 1, value=1.0, tokens=400)
+    core.poll()  # a alone, three live learners missing with unknown typical size: share 1/4
+    assert torch.allclose(core.fragments[1].theta, before - 0.25)
+    for x in "bcd":
+        push(core, x, sessions[x], 1, value=1.0, tokens=400)
+    core.poll()  # b, c, d: share 3/4, so the two rounds together make exactly one full step
+    assert torch.allclose(core.fragments[1].theta, before - 1.0, atol=1e-6)
+    after = core.fragments[1].theta.clone()
+    for seq, x in enumerate("abcd", start=2):
+        push(core, x, sessions[x], seq, value=1.0, tokens=400)
+    core.poll()  # everyone live in one round: no scaling
+    assert torch.allclose(core.fragments[1].theta, after - 1.0, atol=1e-6)
+
+
+def test_scaling_can_be_disabled():
+    core, _ = make_core(learners=2, grace=0.0, outer_momentum=0.0, outer_lr=1.0, scale_partial_rounds=False)
+    sa, _ = core.join("a", SPECS), core.join("b", SPECS)
+    before = core.fragments[1].theta.clone()
+    push(core, "a", sa, 1, value=1.0)
+    core.poll()
+    assert torch.allclose(core.fragments[1].theta, before - 1.0, atol=1e-6)
