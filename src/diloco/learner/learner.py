@@ -63,7 +63,7 @@ class Learner:
         self.step_count = 0
         self.tokens = 0
         self.data_position = self.info.data_position
-        self.pushes = self.applied = self.skipped = self.refused = 0
+        self.pushes = self.applied = self.skipped = self.refused = self.flushed = 0
         self._seq = 0
         self._last_step_at: float | None = None
         self._step_seconds: float | None = None
@@ -169,6 +169,7 @@ class Learner:
         for slot in self.slots:
             if slot.steps and slot.pushed_at is None:
                 self._push(slot)
+                self.flushed += 1
         self._report(None, time.monotonic())
         self.transport.close()
 
