@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import sys
-import time
 
-from diloco.run.local import RunFailed, _spawn, _stop
+from diloco.run.local import RunFailed, _spawn, _stop, collect_summaries, supervise
 from diloco.run.report import read_metrics
 
 
@@ -48,20 +47,11 @@ def run_dp(plan, progress):
             cmd += ["--duration", str(plan.duration), "--snapshot-every", "25"]
         procs[f"learner-{i}"] = _spawn(cmd, plan.out / "logs" / f"learner-{i}.log")
     try:
-        with progress:
-            while any(p.poll() is None for p in procs.values()):
-                progress.update(status_from_metrics(plan, procs))
-                time.sleep(0.5)
-            progress.update(status_from_metrics(plan, procs))
+        supervise(procs, progress, lambda: status_from_metrics(plan, procs))
     finally:
         for p in procs.values():
             _stop(p)
-    learners = []
-    for lid, p in procs.items():
-        path = plan.out / "learners" / f"{lid}.json"
-        summary = json.loads(path.read_text()) if path.exists() else {"id": lid}
-        summary["exit_code"] = p.returncode
-        learners.append(summary)
+    learners = collect_summaries(plan, procs)
     if not (out / "dp.json").exists():
         raise RunFailed(f"data-parallel run failed; see {plan.out / 'logs'}")
     return learners, json.loads((out / "dp.json").read_text())

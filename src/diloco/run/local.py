@@ -151,6 +151,26 @@ class Progress:
                                f"losses {' '.join(losses)}")
 
 
+def supervise(procs: dict[str, subprocess.Popen], progress: Progress, status) -> None:
+    """Show `status()` until every process has exited."""
+    with progress:
+        while any(p.poll() is None for p in procs.values()):
+            progress.update(status())
+            time.sleep(0.5)
+        progress.update(status())
+
+
+def collect_summaries(plan: Plan, procs: dict[str, subprocess.Popen]) -> list[dict]:
+    """Each learner's summary file (or just its id when it died before writing one) and exit code."""
+    learners = []
+    for lid, p in procs.items():
+        path = plan.out / "learners" / f"{lid}.json"
+        summary = json.loads(path.read_text()) if path.exists() else {"id": lid}
+        summary["exit_code"] = p.returncode
+        learners.append(summary)
+    return learners
+
+
 def run_local(args) -> int:
     plan = make_plan(args)
     progress = Progress(plan, enabled=not (args.json or args.no_progress))
@@ -196,21 +216,12 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int):
             if plan.steps:
                 cmd += ["--max-steps", str(plan.steps)]
             procs[lid] = _spawn(cmd, plan.out / "logs" / f"{lid}.log")
-        with progress:
-            while any(p.poll() is None for p in procs.values()):
-                progress.update(_fetch_status(ready["http_port"]))
-                time.sleep(0.5)
-            progress.update(_fetch_status(ready["http_port"]))
+        supervise(procs, progress, lambda: _fetch_status(ready["http_port"]))
     finally:
         for p in procs.values():
             _stop(p)
         _stop(syncer)
-    learners = []
-    for lid, p in procs.items():
-        path = plan.out / "learners" / f"{lid}.json"
-        summary = json.loads(path.read_text()) if path.exists() else {"id": lid}
-        summary["exit_code"] = p.returncode
-        learners.append(summary)
+    learners = collect_summaries(plan, procs)
     syncer_path = syncer_dir / "syncer.json"
     if not syncer_path.exists():
         raise RunFailed(f"the syncer wrote no final state; see {plan.out / 'logs' / 'syncer.log'}")
