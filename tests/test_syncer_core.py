@@ -199,3 +199,31 @@ def test_scaling_can_be_disabled():
     push(core, "a", sa, 1, value=1.0)
     core.poll()
     assert torch.allclose(core.fragments[1].theta, before - 1.0, atol=1e-6)
+
+
+def test_norm_outlier_is_refused_and_counted():
+    core, _ = make_core(grace=0.0)
+    s = core.join("a", SPECS)
+    for seq in range(1, 9):  # the running distribution: norm per step of about 0.5·√6/4
+        assert push(core, "a", s, seq, value=0.5).accepted
+        core.poll()
+    result = push(core, "a", s, 9, value=0.5 * 60)
+    assert not result.accepted and result.resync and "norm outlier" in result.reason
+    assert core.refusals["norm outlier"] == 1 and core.fragments[1].pending == {}
+    assert push(core, "a", s, 10, value=0.6).accepted
+
+
+@pytest.mark.parametrize("bad", ["", "-x", "a b", "ü", "x" * 65, "a/b"])
+def test_invalid_learner_ids_are_refused(bad):
+    core, _ = make_core()
+    with pytest.raises(Refused, match="invalid learner id"):
+        core.join(bad, SPECS)
+
+
+def test_payload_limit_matches_the_codec_size():
+    core, _ = make_core()
+    n = core.fragments[2].fragment.numel
+    assert core.payload_limit(2, "int4") == codec.encoded_size(n, "int4")
+    assert core.payload_limit(99, "int4") == 0
+    with pytest.raises(ValueError, match="unknown codec"):
+        core.payload_limit(2, "int3")

@@ -58,6 +58,9 @@ class SyncConfig:
     """λ: a contribution's weight is divided by (1 + λ·staleness)."""
     max_staleness: int = 16
     """Contributions staler than this many versions are refused and the learner resynchronises."""
+    max_norm_ratio: float = 50.0
+    """Refuse a contribution whose norm per step exceeds this multiple of the fragment's recent median (0: off).
+    Generous because a learning-rate warmup alone changes norms per step by up to its ramp (20× here)."""
     heartbeat_seconds: float = 0.5
     """How often a learner reports liveness and progress."""
     absent_after_seconds: float = 10.0
@@ -109,5 +112,7 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
         raise ValueError("--keep-overlap and --blend are two different apply rules; choose one")
     if not 0.0 <= cfg.blend < 1.0:
         raise ValueError(f"blend α must be in [0, 1), got {cfg.blend}")
+    if cfg.max_norm_ratio < 0:
+        raise ValueError(f"max norm ratio must be non-negative, got {cfg.max_norm_ratio}")
     if cfg.max_staleness < 0:
         raise ValueError(f"max staleness must be non-negative, got {cfg.max_staleness}")

@@ -6,9 +6,11 @@ drive it directly.
 
 from __future__ import annotations
 
-import math
+import re
 import secrets
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +23,17 @@ from diloco.merge import merge, token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide
 from diloco.syncer.ledger import LearnerRecord
+
+
+LEARNER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NORM_HISTORY = 32
+NORM_MIN_SAMPLES = 8
+
+
+def check_learner_id(learner_id: str) -> str:
+    if not LEARNER_ID.fullmatch(learner_id):
+        raise Refused(f"invalid learner id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return learner_id
 
 
 class Refused(Exception):
@@ -46,6 +59,8 @@ class FragmentState:
     pending_delta: torch.Tensor | None = None
     """Σ of partial rounds' Δ since the momentum last advanced (delayed momentum)."""
     pending_share: float = 0.0
+    norms: deque = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
+    """Recent accepted contributions' norm per step: the running distribution outliers are judged against."""
     pending: dict[str, Contribution] = field(default_factory=dict)
     opened_at: float | None = None
     quorum_at: float | None = None
@@ -129,6 +144,7 @@ class SyncerCore:
     # ---- membership ---------------------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec]) -> str:
         """Admit a learner whose model matches; returns its new session id. Refused on any mismatch."""
+        check_learner_id(learner_id)
         if self.stopping:
             raise Refused("the syncer is shutting down; retry against its replacement")
         if not self.initialized:
@@ -255,7 +271,21 @@ class SyncerCore:
             raise Refused(f"corrupt payload: {e}") from None
         if not torch.isfinite(delta).all():
             raise Refused("non-finite values: the outer gradient contains NaN or Inf")
+        norms = self.fragments[fragment].norms
+        per_step = delta.norm().item() / steps
+        if self.cfg.max_norm_ratio and len(norms) >= NORM_MIN_SAMPLES:
+            typical = statistics.median(norms)
+            if per_step > self.cfg.max_norm_ratio * typical:
+                raise Refused(f"norm outlier: {per_step:.3g} per step is over {self.cfg.max_norm_ratio:g}× the "
+                              f"recent median {typical:.3g} of fragment {fragment}")
+        norms.append(per_step)
         return delta
+
+    def payload_limit(self, fragment: int, codec_name: str) -> int:
+        """Bytes a push of `fragment` may carry: the service refuses larger streams before buffering them."""
+        if not self.initialized or not 0 <= fragment < len(self.fragments):
+            return 0
+        return codec.encoded_size(self.fragments[fragment].fragment.numel, codec.check_codec(codec_name))
 
     def resync(self, learner_id: str, session: str, fragment: int) -> Publication:
         """The current full fragment for a learner told to fetch it."""

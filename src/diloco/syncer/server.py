@@ -194,7 +194,9 @@ class SyncerThread:
         return f"127.0.0.1:{self.status['grpc_port']}"
 
     def stop(self, timeout: float = 30.0) -> dict:
-        self._loop.call_soon_threadsafe(self._stop.set)
+        """Shut down (merging what is pending) and return the final status; calling it again is harmless."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
         if self.error:
             raise self.error

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from diloco import codec
-from diloco.syncer.core import Publication, Refused, SyncerCore
+from diloco.syncer.core import Publication, Refused, SyncerCore, check_learner_id
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -59,6 +59,10 @@ class SyncerService(pb_grpc.SyncerServicer):
     async def Join(self, request, context):
         self._count_in(request)
         await self._check_token(context, request.token)
+        try:
+            check_learner_id(request.learner_id)
+        except Refused as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         specs = specs_from_proto(request.specs)
         if not self.core.initialized:
             yield self._count_out(pb.JoinReply(header=pb.JoinHeader(need_init=True, fragments=self.core.cfg.fragments,
@@ -114,7 +118,18 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._count_in(chunk)
             if chunk.HasField("header"):
                 header = chunk.header
+                try:
+                    limit = self.core.payload_limit(header.fragment, header.codec)
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                if header.total_bytes > limit:
+                    self.metrics.refusals.labels("oversized").inc()
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"push of {header.total_bytes} bytes for fragment {header.fragment} exceeds "
+                                        f"its {limit}-byte size (wrong fragment, codec or model)")
             else:
+                if header is None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push data before its header")
                 parts.append(chunk.data)
                 if header is not None and sum(map(len, parts)) > header.total_bytes:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push payload longer than its header says")
