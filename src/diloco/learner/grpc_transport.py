@@ -46,6 +46,8 @@ class GrpcTransport:
         self._threads: list[threading.Thread] = []
         self._subscription = None
         self._ef = codec.ErrorFeedback()
+        self._inflight: dict[int, PushJob] = {}
+        """Pushes whose merged result has not arrived: re-sent (same seq) after the update stream reconnects."""
 
     # ---- joining ------------------------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], initial) -> JoinInfo:
@@ -137,14 +139,20 @@ class GrpcTransport:
                 log.warning("syncer refused fragment %d: %s", job.fragment, reply.reason)
 
     def _receive_loop(self) -> None:
-        delay = 0.2
+        delay, broken = 0.2, False
         while not self._closing.is_set():
             assembler = Assembler()
             try:
                 self._subscription = self.stub.Subscribe(pb.SubscribeRequest(learner_id=self.learner_id, session=self.session))
+                if broken:  # the syncer may have restarted and lost pushes it had not merged yet
+                    broken = False
+                    for job in list(self._inflight.values()):
+                        self._pushes.put(job)
                 for blob in self._subscription:
                     self.bytes_received += wire_size(blob)
                     done = assembler.add(blob)
+                    if done is not None:
+                        self._inflight.pop(done.fragment, None)
                     if done is not None and not self.receiver.accept(done, done.refused):
                         self._fail(f"fragment {done.fragment} v{done.version} does not match the syncer's record of "
                                    f"what this learner holds; restart the learner to re-join")
@@ -156,8 +164,10 @@ class GrpcTransport:
                 if self._closing.is_set() or e.code() == grpc.StatusCode.CANCELLED:
                     return
                 if e.code() not in RETRYABLE:
-                    self._fail(f"the syncer ended this learner's updates: {e.details()}")
+                    self._fail(f"the syncer ended this learner's updates: {e.details()} (was it restarted without "
+                               f"its --state directory?)")
                     return
+                broken = True
             except codec.CorruptPayload as e:
                 log.warning("damaged fragment from syncer (%s); resubscribing", e)
             time.sleep(delay)
@@ -188,6 +198,7 @@ class GrpcTransport:
 
     def push(self, job: PushJob) -> None:
         self._check()
+        self._inflight[job.fragment] = job
         self._pushes.put(job)
 
     def arrivals(self, timeout: float | None = None) -> list[Arrival]:

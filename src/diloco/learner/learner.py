@@ -123,6 +123,8 @@ class Learner:
             slot = self.slots[arrival.fragment]
             if arrival.refused:
                 self.refused += 1
+            elif slot.pushed_at is None:
+                continue  # an answer to a re-sent push whose result was already applied
             slot.ready = arrival
 
     def _maybe_apply(self, slot: FragmentSlot) -> None:

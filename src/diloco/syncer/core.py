@@ -6,6 +6,8 @@ drive it directly.
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import secrets
 import statistics
@@ -23,6 +25,7 @@ from diloco.merge import merge, token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide
 from diloco.syncer.ledger import LearnerRecord
+from diloco.syncer.store import StateStore
 
 
 LEARNER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -36,6 +39,10 @@ def check_learner_id(learner_id: str) -> str:
     return learner_id
 
 
+log = logging.getLogger("diloco.syncer")
+ROUND_LOG_KEPT = 100_000
+
+
 class Refused(Exception):
     """A request the syncer will not honour; the message says why and what to do."""
 
@@ -43,6 +50,8 @@ class Refused(Exception):
 @dataclass
 class Contribution:
     learner: str
+    session: str
+    seq: int
     delta: torch.Tensor
     base_version: int
     steps: int
@@ -93,8 +102,9 @@ def tensor_checksum(x: torch.Tensor) -> int:
 
 class SyncerCore:
     def __init__(self, cfg: SyncConfig, clock: Callable[[], float] = time.monotonic, token_budget: int | None = None,
-                 duration: float | None = None):
+                 duration: float | None = None, store: StateStore | None = None):
         self.cfg = cfg
+        self.store = store
         self.clock = clock
         self.token_budget = token_budget
         self.duration = duration
@@ -129,6 +139,7 @@ class SyncerCore:
             raise Refused("initial parameters do not match the model's fragment layout")
         self.specs = list(specs)
         self.fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f)) for fr, f in zip(layout, flats)]
+        self.persist(range(len(self.fragments)))
         return True
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -225,7 +236,11 @@ class SyncerCore:
     ) -> PushResult:
         record = self._record(learner_id, session)
         record.last_seen = self.clock()
-        if (session, seq) in record.seen:
+        if seq <= record.merged_seq.get(f"{session}:{fragment}", 0):
+            # merged before (perhaps before a restart): its result may have been missed, so send the current values
+            return PushResult(True, "duplicate push ignored", duplicate=True, resync=True)
+        pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
+        if pending is not None and (pending.session, pending.seq) == (session, seq):
             return PushResult(True, "duplicate push ignored", duplicate=True)
         try:
             delta = self._validate(fragment, steps, tokens, payload)
@@ -242,7 +257,6 @@ class SyncerCore:
             self.refusals["stale"] = self.refusals.get("stale", 0) + 1
             return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
                               f"which is at {fs.version}: fetch the current fragment", resync=True)
-        record.seen.add((session, seq))
         record.pushes += 1
         record.data_position = max(record.data_position, data_position)
         if transfer_seconds:
@@ -250,7 +264,7 @@ class SyncerCore:
         older = fs.pending.get(learner_id)
         if older is not None:  # a newer push replaces the older one, keeping the sum of their counters
             steps, tokens = steps + older.steps, tokens + older.tokens
-        fs.pending[learner_id] = Contribution(learner_id, delta, base_version, steps, tokens, data_position)
+        fs.pending[learner_id] = Contribution(learner_id, session, seq, delta, base_version, steps, tokens, data_position)
         if fs.opened_at is None:
             fs.opened_at = self.clock()
         return PushResult(True)
@@ -346,11 +360,13 @@ class SyncerCore:
         for c in contributions:
             record = self.learners[c.learner]
             record.contribution_tokens.update(c.tokens)
+            record.merged_seq[f"{c.session}:{index}"] = max(c.seq, record.merged_seq.get(f"{c.session}:{index}", 0))
             record.merged += 1
             record.tokens_merged += c.tokens / len(self.fragments)
+        self.round_log.append((self.clock() - self.started_at, index, fs.version, len(contributions)))
+        self.persist([index])  # durable before it is published
         out = [self._publication(self.learners[c.learner], index, fs) for c in contributions]
         self.sync_avg.update(self.clock() - started)
-        self.round_log.append((self.clock() - self.started_at, index, fs.version, len(contributions)))
         return out
 
     def _round_share(self, contributions: list[Contribution]) -> float:
@@ -372,6 +388,64 @@ class SyncerCore:
             payload, full = codec.encode(fs.theta - held, self.cfg.down_codec), False
             held.add_(codec.decode(payload))  # exactly what the learner will compute
         return Publication(record.id, index, fs.version, payload, full, tensor_checksum(record.held[index]))
+
+    # ---- durability ---------------------------------------------------------------------------------------
+    def ledger(self) -> dict:
+        """Everything but the fragment tensors, as JSON-ready data."""
+        now = self.clock()
+        return {
+            "config": json.loads(self.cfg.to_json()),
+            "specs": [[s.name, list(s.shape), s.dtype, s.embedding] for s in self.specs or []],
+            "versions": [fs.version for fs in self.fragments],
+            "pending_share": [fs.pending_share for fs in self.fragments],
+            "rounds": self.rounds,
+            "started_unix": self.started_unix,
+            "elapsed_since_first_join": None if self.first_join_at is None else now - self.first_join_at,
+            "quorum_avg": self.quorum_avg.value,
+            "sync_avg": self.sync_avg.value,
+            "refusals": self.refusals,
+            "round_log": self.round_log[-ROUND_LOG_KEPT:],
+            "learners": [r.to_json() for r in self.learners.values()],
+        }
+
+    def persist(self, changed) -> None:
+        if self.store is None or not self.initialized:
+            return
+        tensors = {}
+        for i in changed:
+            fs = self.fragments[i]
+            pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.theta)
+            tensors[i] = (fs.version, {"theta": fs.theta, "momentum": fs.momentum, "pending_delta": pending})
+        self.store.save(self.ledger(), tensors)
+
+    def restore(self) -> bool:
+        """Resume from the store's newest consistent state; False when it holds none."""
+        loaded = self.store.load() if self.store else None
+        if loaded is None:
+            return False
+        led, now = loaded.ledger, self.clock()
+        stored_cfg = SyncConfig(**led["config"])
+        if stored_cfg != self.cfg:
+            log.warning("resuming with the stored run configuration, not the one given on the command line")
+            self.cfg = stored_cfg
+            self.policy = PolicyConfig(stored_cfg.quorum, stored_cfg.overlap, stored_cfg.grace, stored_cfg.grace_gamma,
+                                       stored_cfg.grace_cap_steps)
+        self.specs = [TensorSpec(n, tuple(shape), dtype, emb) for n, shape, dtype, emb in led["specs"]]
+        layout = plan_fragments(self.specs, self.cfg.fragments)
+        self.fragments = []
+        for i, fragment in enumerate(layout):
+            t = loaded.fragments[i]
+            fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i])
+            fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]
+            self.fragments.append(fs)
+        self.rounds, self.refusals, self.round_log = led["rounds"], led["refusals"], [tuple(x) for x in led["round_log"]]
+        self.quorum_avg.value, self.sync_avg.value = led["quorum_avg"], led["sync_avg"]
+        self.started_unix = led["started_unix"]
+        self.started_at = now - (time.time() - self.started_unix)
+        if led["elapsed_since_first_join"] is not None:
+            self.first_join_at = now - led["elapsed_since_first_join"]
+        self.learners = {d["id"]: LearnerRecord.from_json(d, now) for d in led["learners"]}
+        return True
 
     # ---- reporting ----------------------------------------------------------------------------------------
     def status(self) -> dict:

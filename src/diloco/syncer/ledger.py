@@ -33,8 +33,24 @@ class LearnerRecord:
     """Typical tokens per merged contribution: how much a round misses when this learner is not in it."""
     held: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per fragment, the exact values this learner holds as its base: what downlink changes are taken against."""
-    seen: set[tuple[str, int]] = field(default_factory=set)
-    """(session, seq) of pushes already admitted, so a re-sent push is merged at most once."""
+    merged_seq: dict[str, int] = field(default_factory=dict)
+    """Highest merged push sequence number per "session:fragment": a re-sent push is merged at most once."""
+
+    SAVED = ("id", "session", "left", "step", "tokens_trained", "tokens_merged", "data_position", "loss",
+             "tokens_per_second", "pushes", "merged", "refused", "applied", "speed", "merged_seq")
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in self.SAVED}
+        out.update(step_time=self.step_time.value, contribution_tokens=self.contribution_tokens.value)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict, now: float) -> "LearnerRecord":
+        record = cls(data["id"], data["session"], now, now)
+        for k in cls.SAVED:
+            setattr(record, k, data[k])
+        record.step_time.value, record.contribution_tokens.value = data["step_time"], data["contribution_tokens"]
+        return record
 
     def summary(self, now: float, absent_after: float) -> dict:
         state = "left" if self.left else ("live" if now - self.last_seen <= absent_after else "absent")

@@ -19,6 +19,7 @@ from diloco.config import SyncConfig
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
+from diloco.syncer.store import StateStore
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import SERVER_OPTIONS
 
@@ -99,7 +100,10 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             loop.add_signal_handler(sig, stop.set)
         except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
             pass
-    core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration)
+    store = StateStore(opts.out / "state") if opts.out else None
+    core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store)
+    if core.restore():
+        log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
     metrics = SyncerMetrics()
     service = SyncerService(core, metrics, opts.token)
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -146,6 +150,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         status.update(await service._core(core.status), wire_bytes=metrics.total_wire_bytes(), **ready)
         status["round_log"] = core.round_log
         if opts.out and core.initialized:
+            await service._core(core.persist, [])
             await service._core(_snapshot, core, opts.out, status)
             save_model(core, opts.out / "model.safetensors", tokens_merged=core.tokens_merged())
             write_json_atomic(opts.out / "syncer.json", status)

@@ -47,11 +47,13 @@ class SyncerService(pb_grpc.SyncerServicer):
         if self.token and not hmac.compare_digest(self.token.encode(), token.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token: pass the syncer's --token")
 
+    def _queue(self, learner_id: str) -> asyncio.Queue:
+        """The learner's update queue; created on demand for learners restored from saved state."""
+        return self._queues.setdefault(learner_id, asyncio.Queue())
+
     def deliver(self, publications: list[Publication]) -> None:
         for pub in publications:
-            queue = self._queues.get(pub.learner)
-            if queue is not None:
-                queue.put_nowait(pub)
+            self._queue(pub.learner).put_nowait(pub)
         if publications:
             self.metrics.observe_rounds(self.core)
 
@@ -145,13 +147,13 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.metrics.refusals.labels("session").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         if not result.accepted:
-            self.metrics.refusals.labels(result.reason.split(":")[0][:40] if not result.resync else "stale").inc()
+            self.metrics.refusals.labels(result.reason.split(":")[0][:40]).inc()
             log.warning("refused push of fragment %d from %s: %s", header.fragment, header.learner_id, result.reason)
-            if result.resync:
-                pub = await self._core(self.core.resync, header.learner_id, header.session, header.fragment)
-                self._queues[header.learner_id].put_nowait((pub, result.reason))
-        else:
+        elif not result.duplicate:
             self.metrics.pushes.inc()
+        if result.resync:  # refused, or merged before: the learner gets the current values
+            pub = await self._core(self.core.resync, header.learner_id, header.session, header.fragment)
+            self._queue(header.learner_id).put_nowait((pub, "" if result.accepted else result.reason))
         self.wake.set()
         reply = pb.PushReply(accepted=result.accepted, reason=result.reason, duplicate=result.duplicate,
                              resync=result.resync, stop=self.core.should_stop())
@@ -162,7 +164,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         record = self.core.learners.get(request.learner_id)
         if record is None or record.session != request.session:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown learner or stale session: join again")
-        queue = self._queues[request.learner_id]
+        queue = self._queue(request.learner_id)
         while True:
             item = await queue.get()
             if item is None:

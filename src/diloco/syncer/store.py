@@ -1,0 +1,92 @@
+"""The syncer's durable state (DESIGN §3.8): a manifest naming one consistent set of files.
+
+Every write goes to a temporary file, is fsynced and renamed; the manifest is replaced last, so a crash at any
+point leaves the previous manifest and every file it names intact. Superseded files are removed only after the new
+manifest is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Loaded:
+    ledger: dict
+    fragments: dict[int, dict[str, torch.Tensor]]
+
+
+class StateStore:
+    """Files under `folder`: manifest.json, ledger-<n>.json, fragment-<p>-v<version>.safetensors."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.generation = 0
+        self.files: dict[str, str] = {}
+        if (self.folder / MANIFEST).exists():
+            manifest = json.loads((self.folder / MANIFEST).read_text())
+            self.generation, self.files = manifest["generation"], manifest["files"]
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.files)
+
+    def save(self, ledger: dict, fragments: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Write the ledger and the given fragments ({index: (version, tensors)}), then switch the manifest."""
+        self.generation += 1
+        files = dict(self.files)
+        for index, (version, tensors) in fragments.items():
+            name = f"fragment-{index}-v{version}.safetensors"
+            tmp = self.folder / (name + ".tmp")
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.folder / name)
+            files[f"fragment-{index}"] = name
+        ledger_name = f"ledger-{self.generation}.json"
+        write_atomic(self.folder / ledger_name, json.dumps(ledger).encode())
+        files["ledger"] = ledger_name
+        _fsync_dir(self.folder)
+        write_atomic(self.folder / MANIFEST, json.dumps({"generation": self.generation, "files": files}).encode())
+        _fsync_dir(self.folder)
+        stale = set(self.files.values()) - set(files.values())
+        self.files = files
+        for name in stale:
+            (self.folder / name).unlink(missing_ok=True)
+
+    def load(self) -> Loaded | None:
+        """The newest consistent state, or None when nothing was ever saved."""
+        if not self.files:
+            return None
+        ledger = json.loads((self.folder / self.files["ledger"]).read_text())
+        fragments = {}
+        for key, name in self.files.items():
+            if key.startswith("fragment-"):
+                fragments[int(key.split("-")[1])] = load_file(str(self.folder / name))
+        return Loaded(ledger, fragments)
