@@ -195,6 +195,7 @@ class SyncerCore:
         """Record liveness and progress; returns True when the learner should stop (budget reached)."""
         record = self._record(learner_id, session)
         record.last_seen = self.clock()
+        progress.pop("data_position", None)  # the ledger's position moves only when work is merged
         step_seconds = progress.pop("step_seconds", None)
         if step_seconds:
             record.step_time.update(step_seconds)
@@ -258,7 +259,6 @@ class SyncerCore:
             return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
                               f"which is at {fs.version}: fetch the current fragment", resync=True)
         record.pushes += 1
-        record.data_position = max(record.data_position, data_position)
         if transfer_seconds:
             self.sync_avg.update(transfer_seconds)
         older = fs.pending.get(learner_id)
@@ -363,6 +363,7 @@ class SyncerCore:
             record.merged_seq[f"{c.session}:{index}"] = max(c.seq, record.merged_seq.get(f"{c.session}:{index}", 0))
             record.merged += 1
             record.tokens_merged += c.tokens / len(self.fragments)
+            record.data_position = max(record.data_position, c.data_position)  # where merged work ended
         self.round_log.append((self.clock() - self.started_at, index, fs.version, len(contributions)))
         self.persist([index])  # durable before it is published
         out = [self._publication(self.learners[c.learner], index, fs) for c in contributions]

@@ -21,6 +21,8 @@ class LearnerRecord:
     tokens_merged: float = 0.0
     """Σ tokens of this learner's merged contributions, divided by P (each token trains every fragment)."""
     data_position: int = 0
+    """Data position of this learner's latest merged contribution: where a rejoining learner resumes, so no data
+    is read twice. Fragments whose own last merge came earlier lose that bit of progress (under one period)."""
     loss: float | None = None
     tokens_per_second: float | None = None
     pushes: int = 0

@@ -1,0 +1,71 @@
+"""A learner that vanishes without leaving is marked absent, stops no one, and rejoins under its id."""
+
+import time
+
+import torch
+from torch import nn
+
+from diloco.config import for_mode
+from diloco.fragments import gather, plan_fragments, tensor_specs
+from diloco.learner.grpc_transport import GrpcTransport
+from diloco.learner.learner import Learner
+from diloco.syncer.server import ServerOptions, SyncerThread
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(16, 4), nn.Flatten(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 16))
+
+
+def steps(learner, model, opt, n, position=0):
+    g = torch.Generator().manual_seed(n)
+    for i in range(n):
+        x = torch.randint(0, 16, (4, 4), generator=g)
+        loss = nn.functional.cross_entropy(model(x), x.sum(1) % 16)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        learner.step(16, loss=loss.item(), data_position=position + i + 1)
+        time.sleep(0.005)
+
+
+def crash(learner):
+    """What SIGKILL does to a learner, seen from the syncer: its connection ends without a Leave."""
+    transport = learner.transport
+    transport._closing.set()
+    transport.channel.close()
+
+
+def test_crashed_learner_is_absent_then_rejoins_with_global_model_and_data_position():
+    cfg = for_mode("decoupled", 2, fragments=2, sync_every=4, heartbeat_seconds=0.1, absent_after_seconds=1.0)
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None))
+    try:
+        ma, mb = net(), net()
+        a = Learner(ma, GrpcTransport(syncer.address), "a")
+        b = Learner(mb, GrpcTransport(syncer.address), "b")
+        oa, ob = torch.optim.AdamW(ma.parameters(), 1e-2), torch.optim.AdamW(mb.parameters(), 1e-2)
+        steps(a, ma, oa, 40)
+        steps(b, mb, ob, 8)
+        time.sleep(0.5)  # a's last pushes (after steps 38 and 40) are merged
+        crash(a)
+        time.sleep(1.5)  # past the absence timeout
+        rounds_before = syncer.status["rounds"]
+        steps(b, mb, ob, 40)  # b alone keeps the global model advancing
+        time.sleep(0.6)
+        states = {x["id"]: x for x in syncer.status["learners"]}
+        assert states["a"]["state"] == "absent" and states["b"]["state"] == "live"
+        assert syncer.status["rounds"] > rounds_before
+        merged_a = states["a"]["merged"]
+
+        fresh = net(seed=123)  # a restarted process: fresh weights, replaced on join by the global model
+        a2 = Learner(fresh, GrpcTransport(syncer.address), "a")
+        assert a2.data_position == 40  # the ledger's record of where a's data ended
+        for frag, slot in zip(plan_fragments(tensor_specs(fresh), 2), a2.slots):
+            assert torch.equal(gather(dict(fresh.named_parameters()), frag), slot.base)
+        steps(a2, fresh, torch.optim.AdamW(fresh.parameters(), 1e-2), 20, position=a2.data_position)
+        a2.finish()
+        b.finish()
+    finally:
+        final = syncer.stop()
+    states = {x["id"]: x for x in final["learners"]}
+    assert states["a"]["merged"] > merged_a  # contributes again after rejoining
