@@ -90,6 +90,7 @@ def cmd_syncer(args) -> int:
         cfg = for_mode(args.mode, args.learners, **sync_overrides(args))
     opts = ServerOptions(listen=args.listen, http=args.http, out=args.state, token=args.token,
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
+                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          snapshot_tokens=args.snapshot_tokens)
     status = asyncio.run(serve(cfg, opts))
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
@@ -105,7 +106,8 @@ def cmd_learner(args) -> int:
     torch.set_num_threads(args.threads)
     cfg = train_config(args)
     opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.max_steps, args.metrics)
-    transport = GrpcTransport(args.syncer, token=args.token or "", connect_timeout=args.connect_timeout)
+    transport = GrpcTransport(args.syncer, token=args.token or "", connect_timeout=args.connect_timeout,
+                              tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     summary = run_learner(cfg, transport, opts)
     print(f"learner {summary['id']}: {summary['steps']} steps, {summary['tokens']} tokens, "
           f"{summary['pushes']} pushes, {summary['applied']} fragments applied")
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, help="stop the run this many seconds after the first join")
     p.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between model snapshots in --state")
     p.add_argument("--snapshot-tokens", type=int, default=0, help="trained tokens between model snapshots in --state")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
     p.add_argument("--sync-config", type=Path, help=argparse.SUPPRESS)  # resolved settings from `diloco run`
     add_sync_options(p, modes=("decoupled", "streaming", "diloco"))
     p.set_defaults(func=cmd_syncer)
@@ -157,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", type=Path, help="write this learner's summary JSON here at the end")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several learners share a machine)")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep retrying an unreachable syncer")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this PEM CA certificate")
+    p.add_argument("--tls-cert", type=Path, help="client certificate for a syncer that requires one (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of the client --tls-cert")
     add_train_options(p)
     p.set_defaults(func=cmd_learner)
 

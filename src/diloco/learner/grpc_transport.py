@@ -21,6 +21,7 @@ from diloco.learner.transport import Arrival, JoinInfo, PushJob, Receiver, Synce
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import GRPC_OPTIONS, Assembler, blobs, push_chunks, specs_to_proto, wire_size
+from diloco.wire.tls import channel_credentials
 
 log = logging.getLogger("diloco.learner")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -29,12 +30,17 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 class GrpcTransport:
     """Connects a Learner to `diloco syncer` at `address` ("host:port")."""
 
-    def __init__(self, address: str, token: str = "", connect_timeout: float = 30.0, rpc_timeout: float = 60.0):
+    def __init__(self, address: str, token: str = "", connect_timeout: float = 30.0, rpc_timeout: float = 60.0,
+                 tls: bool = False, tls_ca=None, tls_cert=None, tls_key=None):
+        """`tls` (or any tls_* file) connects with TLS, trusting `tls_ca` or the system's roots; `tls_cert` and
+        `tls_key` present a client certificate to a syncer that requires one."""
         self.address = address
         self.token = token
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.tls = bool(tls or tls_ca or tls_cert or tls_key)
+        self.channel = (grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key), options=GRPC_OPTIONS)
+                        if self.tls else grpc.insecure_channel(address, options=GRPC_OPTIONS))
         self.stub = pb_grpc.SyncerStub(self.channel)
         self.receiver = Receiver()
         self.error: SyncerError | None = None
@@ -66,6 +72,7 @@ class GrpcTransport:
                         f"cannot reach the syncer at {self.address} after {attempts} attempts over "
                         f"{self.connect_timeout:.0f}s ({e.details()}); start it with `diloco syncer --listen {self.address}` "
                         f"or check the address, port and firewall"
+                        + ("" if self.tls else "; if the syncer uses TLS, pass --tls-ca")
                     ) from None
                 log.info("syncer at %s not reachable yet (%s); retrying in %.1fs", self.address, e.code().name, delay)
                 time.sleep(delay)

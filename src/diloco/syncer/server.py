@@ -22,6 +22,7 @@ from diloco.syncer.service import SyncerService
 from diloco.syncer.store import StateStore
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import SERVER_OPTIONS
+from diloco.wire.tls import server_credentials
 
 log = logging.getLogger("diloco.syncer")
 
@@ -38,6 +39,12 @@ class ServerOptions:
     """Shared secret learners must present; required when listening beyond loopback."""
     token_budget: int | None = None
     """Stop the run once learners have trained this many tokens in total."""
+    tls_cert: Path | None = None
+    """PEM certificate of the syncer; with tls_key, the gRPC port speaks TLS."""
+    tls_key: Path | None = None
+    """PEM private key of tls_cert."""
+    tls_client_ca: Path | None = None
+    """PEM CA whose certificates learners must present (mutual TLS); None accepts any client."""
     duration: float | None = None
     """Stop the run this many seconds after the first learner joined."""
     snapshot_tokens: int = 0
@@ -108,15 +115,18 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     service = SyncerService(core, metrics, opts.token)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SyncerServicer_to_server(service, server)
+    credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
     try:
-        port = server.add_insecure_port(opts.listen)
+        port = (server.add_secure_port(opts.listen, credentials) if credentials
+                else server.add_insecure_port(opts.listen))
     except RuntimeError as e:
         raise OSError(f"cannot listen on {opts.listen}: {e} (is another syncer running there?)") from None
     await server.start()
     status: dict = {}
     http = _http_server(opts.http, service, status) if opts.http else None
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
-    log.info("syncer listening on %s (gRPC port %d, HTTP %s), mode %s", opts.listen, port, ready["http_port"], cfg.mode)
+    log.info("syncer listening on %s (gRPC port %d%s, HTTP %s), mode %s", opts.listen, port,
+             " with TLS" if credentials else "", ready["http_port"], cfg.mode)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(opts.out / "ready.json", ready)
