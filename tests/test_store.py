@@ -86,6 +86,7 @@ def test_restarted_core_resumes_exactly_and_merges_each_push_at_most_once(tmp_pa
     for a, b in zip(core.fragments, restarted.fragments):
         assert a.version == b.version and torch.equal(a.theta, b.theta) and torch.equal(a.momentum, b.momentum)
     assert restarted.rounds == core.rounds == 3 and restarted.fragments[1].pending == {}
+    assert list(restarted.round_log) == list(core.round_log) and len(core.round_log) == 3  # the uptime history
     assert restarted.learners["a"].tokens_merged == core.learners["a"].tokens_merged
     again = push(restarted, "a", sa, 3)  # merged before the crash: ignored, current values sent instead
     assert again.accepted and again.duplicate and again.resync

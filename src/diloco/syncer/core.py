@@ -40,7 +40,7 @@ def check_learner_id(learner_id: str) -> str:
 
 
 log = logging.getLogger("diloco.syncer")
-ROUND_LOG_KEPT = 100_000
+ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 
 
 class Refused(Exception):
@@ -118,7 +118,8 @@ class SyncerCore:
         self.rounds = 0
         self.started_at = clock()
         self.started_unix = time.time()  # only to line reports up with other processes' logs
-        self.round_log: list[tuple[float, int, int, int]] = []  # (time, fragment, version, contributors)
+        self.round_log: deque[tuple[float, int, int, int]] = deque(maxlen=ROUND_LOG_KEPT)
+        """(seconds since start, fragment, version, contributors) of every closed round."""
         self.refusals: dict[str, int] = {}
         self.stopping = False
 
@@ -364,7 +365,10 @@ class SyncerCore:
             record.merged += 1
             record.tokens_merged += c.tokens / len(self.fragments)
             record.data_position = max(record.data_position, c.data_position)  # where merged work ended
-        self.round_log.append((self.clock() - self.started_at, index, fs.version, len(contributions)))
+        entry = (round(self.clock() - self.started_at, 4), index, fs.version, len(contributions))
+        self.round_log.append(entry)
+        if self.store is not None:
+            self.store.append_round(entry)
         self.persist([index])  # durable before it is published
         out = [self._publication(self.learners[c.learner], index, fs) for c in contributions]
         self.sync_avg.update(self.clock() - started)
@@ -405,7 +409,6 @@ class SyncerCore:
             "quorum_avg": self.quorum_avg.value,
             "sync_avg": self.sync_avg.value,
             "refusals": self.refusals,
-            "round_log": self.round_log[-ROUND_LOG_KEPT:],
             "learners": [r.to_json() for r in self.learners.values()],
         }
 
@@ -439,7 +442,8 @@ class SyncerCore:
             fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i])
             fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]
             self.fragments.append(fs)
-        self.rounds, self.refusals, self.round_log = led["rounds"], led["refusals"], [tuple(x) for x in led["round_log"]]
+        self.rounds, self.refusals = led["rounds"], led["refusals"]
+        self.round_log.extend(self.store.rounds(ROUND_LOG_KEPT))
         self.quorum_avg.value, self.sync_avg.value = led["quorum_avg"], led["sync_avg"]
         self.started_unix = led["started_unix"]
         self.started_at = now - (time.time() - self.started_unix)

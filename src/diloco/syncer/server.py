@@ -158,7 +158,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         if http:
             http.shutdown()
         status.update(await service._core(core.status), wire_bytes=metrics.total_wire_bytes(), **ready)
-        status["round_log"] = core.round_log
+        status["round_log"] = list(core.round_log)
         if opts.out and core.initialized:
             await service._core(core.persist, [])
             await service._core(_snapshot, core, opts.out, status)

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "manifest.json"
+ROUND_LOG = "rounds.jsonl"
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -79,6 +80,24 @@ class StateStore:
         self.files = files
         for name in stale:
             (self.folder / name).unlink(missing_ok=True)
+
+    def append_round(self, entry: tuple) -> None:
+        """One line per closed round, appended (not fsynced): the history behind uptime, not needed to resume."""
+        with open(self.folder / ROUND_LOG, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def rounds(self, last: int) -> list[tuple]:
+        """The last `last` rounds of the history; a line cut by a crash is skipped."""
+        path = self.folder / ROUND_LOG
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines()[-last:]:
+            try:
+                out.append(tuple(json.loads(line)))
+            except json.JSONDecodeError:
+                continue
+        return out
 
     def load(self) -> Loaded | None:
         """The newest consistent state, or None when nothing was ever saved."""
