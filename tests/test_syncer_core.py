@@ -99,7 +99,7 @@ def test_grace_window_end_closes_without_the_slow_learner():
 
 def test_absent_learner_is_not_waited_for():
     core, clock = make_core(learners=2, quorum=1, grace=100.0)
-    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    sa, _ = core.join("a", SPECS), core.join("b", SPECS)
     push(core, "a", sa, 1)
     assert core.poll() == []
     clock.now += core.cfg.absent_after_seconds + 0.1

@@ -6,8 +6,6 @@ drive it directly.
 
 from __future__ import annotations
 
-import json
-import logging
 import re
 import secrets
 import statistics
@@ -25,6 +23,7 @@ from diloco.merge import merge, token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide
 from diloco.syncer.ledger import LearnerRecord
+from diloco.syncer import persistence
 from diloco.syncer.store import StateStore
 
 
@@ -39,7 +38,6 @@ def check_learner_id(learner_id: str) -> str:
     return learner_id
 
 
-log = logging.getLogger("diloco.syncer")
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 
 
@@ -395,62 +393,13 @@ class SyncerCore:
         return Publication(record.id, index, fs.version, payload, full, tensor_checksum(record.held[index]))
 
     # ---- durability ---------------------------------------------------------------------------------------
-    def ledger(self) -> dict:
-        """Everything but the fragment tensors, as JSON-ready data."""
-        now = self.clock()
-        return {
-            "config": json.loads(self.cfg.to_json()),
-            "specs": [[s.name, list(s.shape), s.dtype, s.embedding] for s in self.specs or []],
-            "versions": [fs.version for fs in self.fragments],
-            "pending_share": [fs.pending_share for fs in self.fragments],
-            "rounds": self.rounds,
-            "started_unix": self.started_unix,
-            "elapsed_since_first_join": None if self.first_join_at is None else now - self.first_join_at,
-            "quorum_avg": self.quorum_avg.value,
-            "sync_avg": self.sync_avg.value,
-            "refusals": self.refusals,
-            "learners": [r.to_json() for r in self.learners.values()],
-        }
-
     def persist(self, changed) -> None:
-        if self.store is None or not self.initialized:
-            return
-        tensors = {}
-        for i in changed:
-            fs = self.fragments[i]
-            pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.theta)
-            tensors[i] = (fs.version, {"theta": fs.theta, "momentum": fs.momentum, "pending_delta": pending})
-        self.store.save(self.ledger(), tensors)
+        """Write the ledger and the `changed` fragments to the store (no-op without one)."""
+        persistence.persist(self, changed)
 
     def restore(self) -> bool:
         """Resume from the store's newest consistent state; False when it holds none."""
-        loaded = self.store.load() if self.store else None
-        if loaded is None:
-            return False
-        led, now = loaded.ledger, self.clock()
-        stored_cfg = SyncConfig(**led["config"])
-        if stored_cfg != self.cfg:
-            log.warning("resuming with the stored run configuration, not the one given on the command line")
-            self.cfg = stored_cfg
-            self.policy = PolicyConfig(stored_cfg.quorum, stored_cfg.overlap, stored_cfg.grace, stored_cfg.grace_gamma,
-                                       stored_cfg.grace_cap_steps)
-        self.specs = [TensorSpec(n, tuple(shape), dtype, emb) for n, shape, dtype, emb in led["specs"]]
-        layout = plan_fragments(self.specs, self.cfg.fragments)
-        self.fragments = []
-        for i, fragment in enumerate(layout):
-            t = loaded.fragments[i]
-            fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i])
-            fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]
-            self.fragments.append(fs)
-        self.rounds, self.refusals = led["rounds"], led["refusals"]
-        self.round_log.extend(self.store.rounds(ROUND_LOG_KEPT))
-        self.quorum_avg.value, self.sync_avg.value = led["quorum_avg"], led["sync_avg"]
-        self.started_unix = led["started_unix"]
-        self.started_at = now - (time.time() - self.started_unix)
-        if led["elapsed_since_first_join"] is not None:
-            self.first_join_at = now - led["elapsed_since_first_join"]
-        self.learners = {d["id"]: LearnerRecord.from_json(d, now) for d in led["learners"]}
-        return True
+        return persistence.restore(self)
 
     # ---- reporting ----------------------------------------------------------------------------------------
     def status(self) -> dict:
