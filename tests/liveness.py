@@ -1,0 +1,46 @@
+"""A liveness watchdog for multi-process tests: records how long the global model ever went without advancing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+
+class Watchdog:
+    """Polls a syncer's /status; `longest_stall` is the longest time (s) in which no fragment version advanced."""
+
+    def __init__(self, http_port: int, period: float = 0.1):
+        self.url = f"http://127.0.0.1:{http_port}/status"
+        self.period = period
+        self.longest_stall = 0.0
+        self.samples = 0
+        self._last_total, self._last_change = None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    total = sum(json.loads(r.read())["versions"])
+            except (OSError, ValueError, KeyError):
+                continue
+            now = time.monotonic()
+            self.samples += 1
+            if total != self._last_total:
+                self._last_total, self._last_change = total, now
+            elif self._last_change is not None and total > 0:
+                self.longest_stall = max(self.longest_stall, now - self._last_change)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join(5)
+        return self.longest_stall
+
+    def assert_alive(self, allowed: float) -> None:
+        stall = self.stop()
+        assert self.samples > 10, "the watchdog never heard from the syncer"
+        assert stall <= allowed, f"the global model stopped advancing for {stall:.1f}s (allowed {allowed}s)"

@@ -1,0 +1,61 @@
+"""A learner frozen with SIGSTOP stalls no one; woken with SIGCONT it goes on without corrupting the model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from diloco.run.local import TINY
+from diloco.train.config import TrainConfig
+from diloco.train.loop import train_config_to_json
+
+from liveness import Watchdog
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def spawn(args, log):
+    return subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "INFO", *args], stdout=log,
+                            stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_sigstop_learner_is_excluded_then_resumes(tmp_path):
+    (tmp_path / "train.json").write_text(train_config_to_json(replace(TrainConfig(), model=TINY)))
+    log = (tmp_path / "log.txt").open("a")
+    syncer = spawn(["syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state", str(tmp_path / "s"),
+                    "--learners", "2", "--fragments", "4", "--sync-every", "8", "--absent-after-seconds", "1.5"], log)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "s" / "ready.json").exists():
+        assert syncer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    ready = json.loads((tmp_path / "s" / "ready.json").read_text())
+    learners = [spawn(["learner", "--syncer", f"127.0.0.1:{ready['grpc_port']}", "--id", f"l{i}", "--shard", str(i),
+                       "--num-shards", "2", "--max-steps", "500", "--train-config", str(tmp_path / "train.json"),
+                       "--summary", str(tmp_path / f"l{i}.json")], log) for i in range(2)]
+    try:
+        time.sleep(4)  # both training
+        watchdog = Watchdog(ready["http_port"])
+        learners[1].send_signal(signal.SIGSTOP)
+        time.sleep(4)  # l1 frozen: absent after 1.5 s; l0 alone advances the model
+        learners[1].send_signal(signal.SIGCONT)
+        watchdog.assert_alive(allowed=2.0)
+        for p in learners:
+            assert p.wait(120) == 0
+    finally:
+        for p in learners:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+        syncer.send_signal(signal.SIGTERM)
+        syncer.wait(30)
+    final = json.loads((tmp_path / "s" / "syncer.json").read_text())
+    states = {x["id"]: x for x in final["learners"]}
+    assert states["l1"]["merged"] > 0 and states["l0"]["merged"] > 0
+    for i in range(2):
+        summary = json.loads((tmp_path / f"l{i}.json").read_text())
+        assert summary["steps"] == 500
