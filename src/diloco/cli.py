@@ -169,9 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_options(p)
     p.set_defaults(func=cmd_learner)
 
+    from diloco.chaos import cli as chaos_cli
     from diloco.sim import cli as sim_cli
 
     sim_cli.register(sub)
+    chaos_cli.register(sub)
     return parser
 
 
