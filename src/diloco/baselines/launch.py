@@ -1,13 +1,30 @@
-"""`diloco run --mode dp`: one data-parallel worker process per learner slot, progress from their metrics."""
+"""`diloco run --mode dp`: one data-parallel worker process per learner slot, progress from their metrics.
+
+A synchronous job cannot go on without one of its workers (the others would wait in the all-reduce), so when any
+worker dies the launcher kills the rest and restarts all of them from the last checkpoint, as a real job does.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable
 
-from diloco.run.local import RunFailed, _spawn, _stop, collect_summaries, supervise
+from diloco.baselines.dp import latest_checkpoint, ring_allreduce_bytes
+from diloco.run.local import RunFailed, _spawn, _stop, collect_summaries
 from diloco.run.report import read_metrics
+
+MAX_RESTARTS = 20
+CHECKPOINT_EVERY = 50
+TICK = 0.5  # seconds between looks at the workers
+
+Procs = dict[str, subprocess.Popen]
 
 
 def _free_port() -> int:
@@ -32,26 +49,109 @@ def status_from_metrics(plan, procs) -> dict:
             "learners": learners}
 
 
-def run_dp(plan, progress):
-    tokens_per_round = plan.learners * plan.train.tokens_per_step()
-    steps = plan.steps or (-(-plan.tokens // tokens_per_round) if plan.tokens else None)
+def outcome(codes: list[int | None]) -> str:
+    """'failed' as soon as any worker exits non-zero or by a signal, 'done' once all exit cleanly, else 'running'."""
+    if any(c not in (None, 0) for c in codes):
+        return "failed"
+    return "done" if all(c == 0 for c in codes) else "running"
+
+
+def log_path(plan, lid: str, restarts: int) -> Path:
+    return plan.out / "logs" / (f"{lid}.log" if restarts == 0 else f"{lid}.restart-{restarts}.log")
+
+
+def start_workers(plan, job: dict, restarts: int) -> Procs:
+    """All M workers on a fresh rendezvous port (the old one may linger in TIME_WAIT); they resume from the
+    newest checkpoint in the same out dir."""
     port, out = _free_port(), plan.out / "dp"
     procs = {}
     for i, speed in enumerate(plan.speeds):
         cmd = [sys.executable, "-m", "diloco.baselines.dp", "--rank", str(i), "--world", str(plan.learners),
                "--port", str(port), "--train-config", str(plan.out / "train_config.json"), "--out", str(out),
-               "--speed", str(speed)]
-        if steps:
-            cmd += ["--max-steps", str(steps), "--snapshot-every", str(max(1, steps // 8))]
-        if plan.duration:
-            cmd += ["--duration", str(plan.duration), "--snapshot-every", "25"]
-        procs[f"learner-{i}"] = _spawn(cmd, plan.out / "logs" / f"learner-{i}.log")
+               "--speed", str(speed), "--restart-count", str(restarts),
+               "--checkpoint-every", str(job["checkpoint_every"]), "--snapshot-every", str(job["snapshot_every"])]
+        if job["steps"]:
+            cmd += ["--max-steps", str(job["steps"])]
+        if job["duration"]:  # the job's deadline is fixed by its first training step (dp.job_clock)
+            cmd += ["--duration", str(job["duration"])]
+        procs[f"learner-{i}"] = _spawn(cmd, log_path(plan, f"learner-{i}", restarts))
+    return procs
+
+
+def watch(plan, procs: Procs, progress, on_tick) -> bool:
+    """Until every worker has exited cleanly (True) or one has failed (False)."""
+    while True:
+        if on_tick is not None:
+            on_tick(procs)
+        state = outcome([p.poll() for p in procs.values()])
+        progress.update(status_from_metrics(plan, procs))
+        if state != "running":
+            return state == "done"
+        time.sleep(TICK)
+
+
+def kill_all(procs: Procs) -> None:
+    """SIGKILL, not SIGTERM: a worker blocked in an all-reduce with a dead peer would not get to handle it."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+    for p in procs.values():
+        p.wait()
+
+
+def steps_executed(metrics: dict[str, list[dict]]) -> int:
+    """All-reduces performed, recomputed steps included: per attempt, the most steps any worker logged."""
+    lines = Counter((x.get("restarts", 0), lid) for lid, xs in metrics.items() for x in xs)
+    most: dict[int, int] = {}
+    for (attempt, _), n in lines.items():
+        most[attempt] = max(most.get(attempt, 0), n)
+    return sum(most.values())
+
+
+def record(plan, restarts: list[dict]) -> dict:
+    """dp.json as rank 0 wrote it, plus what only the launcher knows: restarts, recomputed steps, all wire bytes."""
+    path = plan.out / "dp" / "dp.json"
+    result = json.loads(path.read_text())
+    executed = steps_executed(read_metrics(plan.out / "metrics"))
+    per_step = plan.learners * ring_allreduce_bytes(plan.learners, 4 * result["parameters"])
+    result.update(steps_executed=executed, lost_steps=executed - result["steps"], wire_bytes=per_step * executed,
+                  restarts=restarts)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
+    return result
+
+
+def run_dp(plan, progress, on_tick: Callable[[Procs], None] | None = None, max_restarts: int = MAX_RESTARTS,
+           checkpoint_every: int = CHECKPOINT_EVERY):
+    """Train to the plan's budget, restarting the whole job from its last checkpoint whenever a worker dies.
+
+    `on_tick(procs)` is called about every 0.5 s with the current workers (id → Popen), so a fault injector can
+    SIGKILL one; the launcher notices and restarts the job.
+    """
+    tokens_per_round = plan.learners * plan.train.tokens_per_step()
+    steps = plan.steps or (-(-plan.tokens // tokens_per_round) if plan.tokens else None)
+    job = {"steps": steps, "duration": plan.duration, "checkpoint_every": checkpoint_every,
+           "snapshot_every": max(1, steps // 8) if steps else 25}
+    restarts: list[dict] = []
+    procs: Procs = {}
     try:
-        supervise(procs, progress, lambda: status_from_metrics(plan, procs))
+        with progress:
+            while True:
+                procs = start_workers(plan, job, len(restarts))
+                if watch(plan, procs, progress, on_tick):
+                    break
+                kill_all(procs)
+                if len(restarts) >= max_restarts:
+                    logs = ", ".join(str(log_path(plan, lid, len(restarts))) for lid in procs)
+                    raise RunFailed(f"data-parallel run failed {len(restarts) + 1} times, more than max_restarts="
+                                    f"{max_restarts} allow; the last attempt's logs: {logs}")
+                found = latest_checkpoint(plan.out / "dp" / "checkpoint")
+                restarts.append({"at_unix": round(time.time(), 3), "resumed_step": found[0] if found else 0})
     finally:
         for p in procs.values():
             _stop(p)
     learners = collect_summaries(plan, procs)
-    if not (out / "dp.json").exists():
+    if not (plan.out / "dp" / "dp.json").exists():
         raise RunFailed(f"data-parallel run failed; see {plan.out / 'logs'}")
-    return learners, json.loads((out / "dp.json").read_text())
+    return learners, record(plan, restarts)
