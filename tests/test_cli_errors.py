@@ -31,6 +31,9 @@ def run_cli(capsys, *argv):
     (["run", "--learners", "0"], "--learners must be at least 1"),
     (["run", "--steps", "-3"], "--steps must be positive"),
     (["learner", "--syncer", "nohost", "--id", "x"], "expected HOST:PORT"),
+    (["compare", "--modes", "decoupled,sideways"], "unknown mode 'sideways' in --modes"),
+    (["run", "--mode", "dp", "--chaos", "syncer-crash"], "data-parallel runs have no syncer link"),
+    (["run", "--chaos", "random", "--mtbf", "0"], "--mtbf must be positive"),
 ])
 def test_bad_flags_are_refused_clearly(capsys, tmp_path, argv, message):
     code, err = run_cli(capsys, *argv, "--out", str(tmp_path / "run")) if argv[0] == "run" else run_cli(capsys, *argv)

@@ -93,3 +93,15 @@ def test_restarted_core_resumes_exactly_and_merges_each_push_at_most_once(tmp_pa
     lost = push(restarted, "a", sa, 4)  # pending at the crash: merged now
     assert lost.accepted and not lost.duplicate
     assert len(restarted.poll()) == 1 and restarted.fragments[1].version == 4
+
+
+def test_history_beyond_the_restored_state_is_dropped(tmp_path):
+    core = make_core(StateStore(tmp_path))
+    core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
+    sa = core.join("a", SPECS)
+    push(core, "a", sa, 1)
+    core.poll()
+    core.store.append_round((9.9, 1, 2, 1))  # a crash right after the history line, before the state was written
+    restarted = make_core(StateStore(tmp_path))
+    assert restarted.restore()
+    assert [e[2] for e in restarted.round_log] == [1] and StateStore(tmp_path).rounds(10) == [tuple(restarted.round_log[0])]

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from diloco.run import cli as run_cli
 
     run_cli.register(sub, add_sync_options, add_train_options)
+    from diloco.run import compare
+
+    compare.register(sub)
 
     p = sub.add_parser("syncer", help="run the central syncer alone", description="Serve the global model to learners.")
     p.add_argument("--listen", type=address, default="127.0.0.1:50051", help="gRPC HOST:PORT (127.0.0.1:50051)")

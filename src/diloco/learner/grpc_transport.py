@@ -24,6 +24,7 @@ from diloco.wire.messages import GRPC_OPTIONS, Assembler, blobs, push_chunks, sp
 from diloco.wire.tls import channel_credentials
 
 log = logging.getLogger("diloco.learner")
+MAX_BACKOFF = 2.0  # seconds between retries at most: a returning syncer is noticed within about that
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -76,7 +77,7 @@ class GrpcTransport:
                     ) from None
                 log.info("syncer at %s not reachable yet (%s); retrying in %.1fs", self.address, e.code().name, delay)
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, MAX_BACKOFF)
         self.config, self.session = info.config, info.session
         self.receiver.reset(info.fragments)
         for name, target in (("sender", self._send_loop), ("receiver", self._receive_loop), ("heartbeat", self._heartbeat_loop)):
@@ -140,7 +141,7 @@ class GrpcTransport:
                         self._fail(f"push of fragment {job.fragment} failed: {e.details()}")
                         return
                     time.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                    delay = min(delay * 2, MAX_BACKOFF)
             self._stop_requested |= reply.stop
             if not reply.accepted:
                 log.warning("syncer refused fragment %d: %s", job.fragment, reply.reason)
@@ -178,7 +179,7 @@ class GrpcTransport:
             except codec.CorruptPayload as e:
                 log.warning("damaged fragment from syncer (%s); resubscribing", e)
             time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, MAX_BACKOFF)
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self.config.heartbeat_seconds):

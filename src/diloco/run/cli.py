@@ -36,6 +36,11 @@ def register(sub, add_sync_options, add_train_options) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no live display")
     p.add_argument("--snapshots", type=int, default=8, help="global-model snapshots for the eval-loss curve (8)")
+    c = p.add_argument_group("faults")
+    c.add_argument("--chaos", metavar="SCENARIO",
+                   help="inject real faults: kill-one, rolling-kills, hang, straggler, syncer-crash, partition, random, "
+                        "or a JSON scenario file")
+    c.add_argument("--mtbf", type=float, help="mean seconds between failures for --chaos random (run length / 4)")
     p.add_argument("--model", choices=("small", "tiny"), default="small",
                    help="built-in model size: small (default, ~0.8M parameters) or tiny (fast checks)")
     add_sync_options(p)

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, replace
@@ -15,7 +14,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from diloco.chaos.injector import Injector
 from diloco.config import for_mode
+from diloco.run.cluster import ClusterError, LocalCluster, with_signal
 from diloco.run.cli import parse_speeds
 from diloco.run.display import progress_table
 from diloco.run.report import build_report, print_summary
@@ -40,6 +41,9 @@ class Plan:
     steps: int | None
     tokens: int | None
     duration: float | None
+    chaos: str | None = None
+    faults: list | None = None
+    fault_timeline: list | None = None
 
 
 def make_plan(args) -> Plan:
@@ -55,6 +59,8 @@ def make_plan(args) -> Plan:
     duration = args.duration
     if args.steps is None and args.tokens is None and duration is None:
         duration = DEFAULT_DURATION
+    if args.mtbf is not None and args.mtbf <= 0:
+        raise ValueError(f"--mtbf must be positive, got {args.mtbf}")
     train = train_config(args)
     if args.model == "tiny":
         train = replace(train, model=TINY)
@@ -71,7 +77,16 @@ def make_plan(args) -> Plan:
     (out / "train_config.json").write_text(train_config_to_json(train))
     if args.mode != "dp":
         (out / "sync_config.json").write_text(sync.to_json())
-    return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration)
+    faults = None
+    if args.chaos:
+        from diloco.chaos.schedule import load
+
+        if not duration:
+            raise ValueError("--chaos needs a --duration budget: killed learners restart with fresh step counts")
+        faults = load(args.chaos, duration, [f"learner-{i}" for i in range(args.learners)], train.seed, args.mtbf)
+        if args.mode == "dp" and any(f.kind in ("partition", "syncer-crash") for f in faults):
+            raise ValueError("data-parallel runs have no syncer link: their scenarios may kill, hang or slow workers")
+    return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, args.chaos, faults)
 
 
 def budget_text(plan: Plan) -> str:
@@ -151,6 +166,46 @@ class Progress:
                                f"losses {' '.join(losses)}")
 
 
+class _DpWorkers:
+    """What a fault injector may do to data-parallel workers: the launcher restarts the whole job on any death."""
+
+    def __init__(self):
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def kill(self, target: str) -> None:
+        if target in self.procs and self.procs[target].poll() is None:
+            self.procs[target].kill()
+
+    def restart(self, target: str) -> None:
+        pass  # the launcher already restarted every worker from the last checkpoint
+
+    def pause(self, target: str) -> None:
+        with_signal(self.procs.get(target), signal.SIGSTOP)
+
+    def resume(self, target: str) -> None:
+        with_signal(self.procs.get(target), signal.SIGCONT)
+
+    def partition(self, target: str, seconds: float) -> None:
+        raise RunFailed("data-parallel workers have no syncer link to partition")
+
+
+def _dp_injector(plan: Plan):
+    """An on_tick for run_dp that applies the plan's faults, timed from the first trained step."""
+    workers = _DpWorkers()
+    injector = Injector(plan.faults, workers)
+    started = []
+
+    def on_tick(procs):
+        workers.procs = procs
+        if not started and any((plan.out / "metrics").glob("*.jsonl")):
+            started.append(time.monotonic())
+        if started:
+            injector.tick(time.monotonic() - started[0])
+        plan.fault_timeline = injector.timeline
+
+    return on_tick
+
+
 def supervise(procs: dict[str, subprocess.Popen], progress: Progress, status) -> None:
     """Show `status()` until every process has exited."""
     with progress:
@@ -178,9 +233,9 @@ def run_local(args) -> int:
     if plan.mode == "dp":
         from diloco.baselines.launch import run_dp
 
-        learners, source = run_dp(plan, progress)
+        learners, source = run_dp(plan, progress, on_tick=_dp_injector(plan) if plan.faults else None)
     else:
-        learners, source = _run_with_syncer(plan, progress, args.snapshots)
+        learners, source = _run_with_syncer(plan, progress, args.snapshots, plan.faults)
     report = build_report(plan, learners, source, started)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -190,39 +245,55 @@ def run_local(args) -> int:
     return 1 if failed else 0
 
 
-def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int):
-    py = [sys.executable, "-m", "diloco"]
+def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None):
     syncer_dir = plan.out / "syncer"
-    cmd = py + ["syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state", str(syncer_dir),
-                "--sync-config", str(plan.out / "sync_config.json")]
+    syncer_args = ["--state", str(syncer_dir), "--sync-config", str(plan.out / "sync_config.json")]
     if plan.tokens:
-        cmd += ["--tokens", str(plan.tokens)]
+        syncer_args += ["--tokens", str(plan.tokens)]
     if plan.duration:
-        cmd += ["--duration", str(plan.duration), "--snapshot-every", str(plan.duration / max(snapshots, 1))]
+        syncer_args += ["--duration", str(plan.duration), "--snapshot-every", str(plan.duration / max(snapshots, 1))]
     else:  # token or step budgets: snapshot by tokens trained
         total = plan.tokens or plan.steps * plan.learners * plan.train.tokens_per_step()
-        cmd += ["--snapshot-tokens", str(max(1, total // max(snapshots, 1)))]
-    syncer = _spawn(cmd, plan.out / "logs" / "syncer.log")
-    procs: dict[str, subprocess.Popen] = {}
+        syncer_args += ["--snapshot-tokens", str(max(1, total // max(snapshots, 1)))]
+    learner_args = {}
+    for i, speed in enumerate(plan.speeds):
+        lid = f"learner-{i}"
+        learner_args[lid] = ["--shard", str(i), "--num-shards", str(plan.learners), "--speed", str(speed),
+                             "--train-config", str(plan.out / "train_config.json"),
+                             "--metrics", str(plan.out / "metrics" / f"{lid}.jsonl"),
+                             "--summary", str(plan.out / "learners" / f"{lid}.json"), "--connect-timeout", "120"]
+        if plan.steps:
+            learner_args[lid] += ["--max-steps", str(plan.steps)]
+    faults = chaos or []
+    cluster = LocalCluster(plan.out, syncer_args, learner_args, proxies=any(f.kind == "partition" for f in faults))
+    injector = Injector(faults, cluster)
     try:
-        ready = _wait_file(syncer_dir / "ready.json", syncer, 60, "the syncer", plan.out / "logs" / "syncer.log")
-        address = f"127.0.0.1:{ready['grpc_port']}"
-        for i, speed in enumerate(plan.speeds):
-            lid = f"learner-{i}"
-            cmd = py + ["learner", "--syncer", address, "--id", lid, "--shard", str(i), "--num-shards", str(plan.learners),
-                        "--speed", str(speed), "--train-config", str(plan.out / "train_config.json"),
-                        "--metrics", str(plan.out / "metrics" / f"{lid}.jsonl"),
-                        "--summary", str(plan.out / "learners" / f"{lid}.json")]
-            if plan.steps:
-                cmd += ["--max-steps", str(plan.steps)]
-            procs[lid] = _spawn(cmd, plan.out / "logs" / f"{lid}.log")
-        supervise(procs, progress, lambda: _fetch_status(ready["http_port"]))
+        cluster.start()
+        started = None  # fault times count from the first trained tokens, not from process start-up
+        with progress:
+            while True:
+                status = cluster.status()
+                if started is None and status and status.get("tokens_trained", 0) > 0:
+                    started = time.monotonic()
+                if status and status.get("stopping"):
+                    injector.finish()  # the budget is spent: nothing more to break or restart
+                elif started is not None:
+                    injector.tick(time.monotonic() - started)
+                restarting = any(f.kind in ("kill", "syncer-crash") for _, f in injector.active)
+                if not cluster.learners_running() and not restarting:
+                    break
+                progress.update(status)
+                time.sleep(0.25)
+            progress.update(cluster.status())
+        injector.finish()
+    except ClusterError as e:
+        raise RunFailed(str(e)) from None
     finally:
-        for p in procs.values():
-            _stop(p)
-        _stop(syncer)
-    learners = collect_summaries(plan, procs)
+        cluster.shutdown()
+    learners = collect_summaries(plan, cluster.procs)
     syncer_path = syncer_dir / "syncer.json"
     if not syncer_path.exists():
         raise RunFailed(f"the syncer wrote no final state; see {plan.out / 'logs' / 'syncer.log'}")
-    return learners, json.loads(syncer_path.read_text())
+    source = json.loads(syncer_path.read_text())
+    source["faults"] = injector.timeline
+    return learners, source

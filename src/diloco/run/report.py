@@ -121,9 +121,39 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "eval_curve": curve,
         "sample": sample,
     }
+    if plan.chaos:
+        report["chaos"] = {"scenario": plan.chaos, "faults": source.get("faults", plan.fault_timeline or [])}
+        if plan.mode == "dp":
+            report["chaos"].update(restarts=source.get("restarts", []), lost_steps=source.get("lost_steps", 0))
+        run_start = source.get("started_unix", t0)
+        plot_timeline([t - run_start for t in advances], report["chaos"]["faults"], t0 - run_start,
+                      plan.mode, out / "timeline.png")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     plot_curve(curve, plan.mode, out / "eval_loss.png")
     return report
+
+
+def plot_timeline(advances: list[float], faults: list[dict], offset: float, mode: str, path: Path) -> None:
+    """Rounds closed over time (the global model advancing) with every injected fault shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(sorted(advances), range(1, len(advances) + 1), color="black", label="rounds closed")
+    colors = {"kill": "tab:red", "hang": "tab:orange", "slow": "tab:olive", "syncer-crash": "tab:purple",
+              "partition": "tab:blue"}
+    for i, f in enumerate(faults):
+        ax.axvspan(f["start"] + offset, f["end"] + offset, alpha=0.2, color=colors.get(f["kind"], "grey"))
+        ax.text(f["start"] + offset, (i % 4 + 1) * max(len(advances), 1) / 5, f"{f['kind']} {f['target']}", fontsize=8)
+    ax.set_xlabel("seconds since the syncer started")
+    ax.set_ylabel("rounds closed (cumulative)")
+    ax.set_title(f"global model progress under faults, mode {mode}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot_curve(curve: list[dict], mode: str, path: Path) -> None:

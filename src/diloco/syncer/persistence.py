@@ -66,7 +66,11 @@ def restore(core) -> bool:
         fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]
         core.fragments.append(fs)
     core.rounds, core.refusals = led["rounds"], led["refusals"]
-    core.round_log.extend(core.store.rounds(ROUND_LOG_KEPT))
+    # a crash between appending a round's line and persisting the round leaves a line for a version that was
+    # never published; it is produced again after the restart, so the history keeps only what the state holds
+    kept = [e for e in core.store.rounds(ROUND_LOG_KEPT) if e[2] <= core.fragments[e[1]].version]
+    core.store.rewrite_rounds(kept)
+    core.round_log.extend(kept)
     core.quorum_avg.value, core.sync_avg.value = led["quorum_avg"], led["sync_avg"]
     core.started_unix = led["started_unix"]
     core.started_at = now - (time.time() - core.started_unix)

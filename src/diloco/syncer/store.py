@@ -99,6 +99,9 @@ class StateStore:
                 continue
         return out
 
+    def rewrite_rounds(self, entries: list[tuple]) -> None:
+        write_atomic(self.folder / ROUND_LOG, "".join(json.dumps(list(e)) + "\n" for e in entries).encode())
+
     def load(self) -> Loaded | None:
         """The newest consistent state, or None when nothing was ever saved."""
         if not self.files:

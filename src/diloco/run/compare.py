@@ -1,0 +1,71 @@
+"""`diloco compare`: several modes under one budget and one fault scenario, side by side."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from diloco.config import MODES
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compare", help="run several modes under one budget and fault scenario, side by side",
+                       description="Each mode is one `diloco run` with the same model, data, seed, budget and faults; "
+                                   "the table compares goodput, uptime, final held-out loss and wire bytes.")
+    p.add_argument("--modes", default="decoupled,diloco,dp", help="comma-separated; the first is the reference")
+    p.add_argument("--learners", "-M", type=int, default=4)
+    p.add_argument("--duration", type=float, help="seconds of training per mode")
+    p.add_argument("--tokens", type=int, help="tokens per mode (not with --chaos)")
+    p.add_argument("--chaos", metavar="SCENARIO", help="the same fault scenario for every mode (see `diloco run`)")
+    p.add_argument("--model", choices=("small", "tiny"), default="small")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="folder for one run directory per mode (default runs/compare-<time>)")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
+    if args.duration is None and args.tokens is None:
+        args.duration = 120.0
+    out = args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    budget = ["--duration", str(args.duration)] if args.duration else ["--tokens", str(args.tokens)]
+    reports, console = {}, Console(stderr=True)
+    for mode in modes:
+        cmd = [sys.executable, "-m", "diloco", "run", "--mode", mode, "--learners", str(args.learners), *budget,
+               "--model", args.model, "--seed", str(args.seed), "--json", "--out", str(out / mode)]
+        if args.chaos:
+            cmd += ["--chaos", args.chaos]
+        console.print(f"[bold]{mode}[/bold]: {' '.join(cmd[3:])}")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            console.print(proc.stderr[-2000:])
+            raise ValueError(f"the {mode} run failed (exit {proc.returncode}); its logs are in {out / mode / 'logs'}")
+        reports[mode] = json.loads(proc.stdout)
+    print_table(reports, args.chaos)
+    summary = {m: {k: r.get(k) for k in ("goodput", "uptime", "final_eval_loss", "initial_eval_loss", "wire_bytes",
+                                          "tokens_trained", "tokens_merged", "wall_seconds", "chaos")}
+               for m, r in reports.items()}
+    (out / "compare.json").write_text(json.dumps(summary, indent=2))
+    console.print(f"run directories, timelines and compare.json in {out}")
+    return 0
+
+
+def print_table(reports: dict[str, dict], chaos: str | None) -> None:
+    ref = next(iter(reports.values()))
+    table = Table(title=f"{len(reports)} modes" + (f" under {chaos}" if chaos else ""), title_justify="left")
+    for col in ("mode", "goodput", "uptime", "final loss", "vs first", "wire bytes", "first / this", "tokens merged"):
+        table.add_column(col, justify="right")
+    for mode, r in reports.items():
+        table.add_row(mode, f"{r['goodput']:.3f}", f"{r['uptime']:.3f}", f"{r['final_eval_loss']:.4f}",
+                      f"{100 * (r['final_eval_loss'] / ref['final_eval_loss'] - 1):+.1f}%", f"{r['wire_bytes']:,}",
+                      f"{ref['wire_bytes'] / max(r['wire_bytes'], 1):,.2f}×", f"{r['tokens_merged']:,}")
+    Console().print(table)
