@@ -32,3 +32,12 @@ def test_human_bytes():
     assert human_bytes(512) == "512 B"
     assert human_bytes(3 * 2**20) == "3.0 MiB"
     assert human_bytes(None) == "–"
+
+
+def test_tokens_are_summed_over_the_lives_of_a_restarted_learner():
+    from diloco.run.report import tokens_per_life
+
+    lines = [{"step": 1, "tokens": 10}, {"step": 2, "tokens": 20}, {"step": 1, "tokens": 10}, {"step": 2, "tokens": 20},
+             {"step": 3, "tokens": 30}]
+    assert tokens_per_life(lines) == [20, 30]
+    assert tokens_per_life([]) == []

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from diloco.baselines.dp import latest_checkpoint, ring_allreduce_bytes
-from diloco.run.local import RunFailed, _spawn, _stop, collect_summaries
+from diloco.run.cluster import spawn, stop
+from diloco.run.local import RunFailed, collect_summaries
 from diloco.run.report import read_metrics
 
 MAX_RESTARTS = 20
@@ -74,7 +75,7 @@ def start_workers(plan, job: dict, restarts: int) -> Procs:
             cmd += ["--max-steps", str(job["steps"])]
         if job["duration"]:  # the job's deadline is fixed by its first training step (dp.job_clock)
             cmd += ["--duration", str(job["duration"])]
-        procs[f"learner-{i}"] = _spawn(cmd, log_path(plan, f"learner-{i}", restarts))
+        procs[f"learner-{i}"] = spawn(cmd, log_path(plan, f"learner-{i}", restarts))
     return procs
 
 
@@ -150,7 +151,7 @@ def run_dp(plan, progress, on_tick: Callable[[Procs], None] | None = None, max_r
                 restarts.append({"at_unix": round(time.time(), 3), "resumed_step": found[0] if found else 0})
     finally:
         for p in procs.values():
-            _stop(p)
+            stop(p)
     learners = collect_summaries(plan, procs)
     if not (plan.out / "dp" / "dp.json").exists():
         raise RunFailed(f"data-parallel run failed; see {plan.out / 'logs'}")

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -97,43 +95,6 @@ def budget_text(plan: Plan) -> str:
     return f"budget {plan.duration:.0f}s"
 
 
-def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with log.open("w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _wait_file(path: Path, proc: subprocess.Popen, timeout: float, what: str, log: Path) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        if proc.poll() is not None:
-            raise RunFailed(f"{what} exited with code {proc.returncode} before it was ready; see {log}")
-        time.sleep(0.05)
-    raise RunFailed(f"{what} not ready after {timeout:.0f}s; see {log}")
-
-
-def _fetch_status(port: int) -> dict | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
-
-
-def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
 class Progress:
     """A live table on a terminal; a line every 15 s otherwise; nothing with --json or --no-progress."""
 
@@ -204,15 +165,6 @@ def _dp_injector(plan: Plan):
         plan.fault_timeline = injector.timeline
 
     return on_tick
-
-
-def supervise(procs: dict[str, subprocess.Popen], progress: Progress, status) -> None:
-    """Show `status()` until every process has exited."""
-    with progress:
-        while any(p.poll() is None for p in procs.values()):
-            progress.update(status())
-            time.sleep(0.5)
-        progress.update(status())
 
 
 def collect_summaries(plan: Plan, procs: dict[str, subprocess.Popen]) -> list[dict]:

@@ -44,6 +44,16 @@ def read_metrics(folder: Path) -> dict[str, list[dict]]:
     return out
 
 
+def tokens_per_life(lines: list[dict]) -> list[int]:
+    """Tokens trained in each process life of one learner: its step counter restarts at 1 after a restart."""
+    lives: list[int] = []
+    for x in lines:
+        if x.get("step") == 1 or not lives:
+            lives.append(0)
+        lives[-1] = max(lives[-1], x.get("tokens", 0))
+    return lives
+
+
 def uptime(advances: list[float], start: float, end: float, interval: float) -> float:
     """Share of [start, end) cut into windows of `interval` seconds in which the model advanced at least once."""
     if end <= start or interval <= 0:
@@ -68,6 +78,10 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         summary.setdefault("steps", len(ls))
         summary["healthy_tokens_per_second"] = tokens_per_step / busy[len(busy) // 2] if ls else 0.0
     capacity = sum(s["healthy_tokens_per_second"] for s in learners) * wall
+    for summary in learners:  # a restarted learner's summary covers only its last life; its metrics cover all
+        lives = tokens_per_life(metrics.get(summary["id"], []))
+        if len(lives) > 1 and plan.mode != "dp":
+            summary["tokens"], summary["lives"] = sum(lives), len(lives)
     tokens_trained = sum(s.get("tokens", 0) for s in learners)
     step_median = statistics.median([x["busy"] for x in lines]) if lines else float("nan")
 
