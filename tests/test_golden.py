@@ -161,3 +161,46 @@ def test_keeping_the_overlap_reproduces_plain_training_and_overwrite_loses_the_o
     assert overlap_trajectory(keep=True) == [0.75, 0.5, 0.25, 0.0, -0.25, -0.5]
     # overwrite: at step 3 w is reset to Θ = 0.5, so every third step's progress is discarded
     assert overlap_trajectory(keep=False) == [0.75, 0.5, 0.5, 0.25, 0.25, 0.0]
+
+
+class ScriptedTransport:
+    """A transport whose answers the test delivers by hand."""
+
+    def __init__(self, cfg):
+        from diloco.learner.transport import JoinInfo
+
+        self.cfg, self.jobs, self.inbox = cfg, [], []
+        self.JoinInfo = JoinInfo
+        self.stop_requested, self.wire_bytes = False, 0
+
+    def join(self, learner_id, specs, initial):
+        (values,) = initial(1)
+        return self.JoinInfo(self.cfg, "s", [(0, 0, values)])
+
+    def push(self, job):
+        self.jobs.append(job)
+
+    def arrivals(self, timeout=None):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def report(self, **progress):
+        pass
+
+
+def test_an_answer_to_an_earlier_push_is_never_applied():
+    from diloco.learner.transport import Arrival
+
+    cfg = for_mode("decoupled", 1, fragments=1, sync_every=2, overlap=0)
+    model = FixedGradient()
+    transport = ScriptedTransport(cfg)
+    learner = Learner(model, transport, "a")
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    train_steps(model, opt, learner, [1.0, 1.0])  # push seq 1 after step 2
+    assert [j.seq for j in transport.jobs] == [1]
+    transport.inbox.append(Arrival(0, 7, torch.tensor([9.0]), seq=99))  # answers a push we never made: ignored
+    train_steps(model, opt, learner, [1.0])
+    assert learner.applied == 0 and model.w.item() == 0.25
+    transport.inbox.append(Arrival(0, 1, torch.tensor([0.5]), seq=1))  # the answer to seq 1: applied
+    train_steps(model, opt, learner, [1.0])
+    assert learner.applied == 1

@@ -227,3 +227,12 @@ def test_payload_limit_matches_the_codec_size():
     assert core.payload_limit(99, "int4") == 0
     with pytest.raises(ValueError, match="unknown codec"):
         core.payload_limit(2, "int3")
+
+
+def test_contribution_from_a_long_disconnection_is_refused_with_resync():
+    core, _ = make_core()  # H = 6: more than 4·H = 24 local steps is too long
+    s = core.join("a", SPECS)
+    n = core.fragments[1].fragment.numel
+    result = core.push("a", s, 1, 1, 0, 25, 2500, codec.encode(torch.zeros(n), "fp32"))
+    assert not result.accepted and result.resync and "too long unsynchronised" in result.reason
+    assert core.push("a", s, 2, 1, 0, 24, 2400, codec.encode(torch.zeros(n), "fp32")).accepted

@@ -58,6 +58,9 @@ class SyncConfig:
     """λ: a contribution's weight is divided by (1 + λ·staleness)."""
     max_staleness: int = 16
     """Contributions staler than this many versions are refused and the learner resynchronises."""
+    max_steps_ratio: float = 4.0
+    """Refuse (and resynchronise) a contribution covering more than this many times H local steps: only a long
+    disconnection produces one, and its stale progress would be merged at full token share (0: off)."""
     max_norm_ratio: float = 50.0
     """Refuse a contribution whose norm per step exceeds this multiple of the fragment's recent median (0: off).
     Generous because a learning-rate warmup alone changes norms per step by up to its ramp (20× here)."""
@@ -112,6 +115,8 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
         raise ValueError("--keep-overlap and --blend are two different apply rules; choose one")
     if not 0.0 <= cfg.blend < 1.0:
         raise ValueError(f"blend α must be in [0, 1), got {cfg.blend}")
+    if cfg.max_steps_ratio < 0:
+        raise ValueError(f"max steps ratio must be non-negative, got {cfg.max_steps_ratio}")
     if cfg.max_norm_ratio < 0:
         raise ValueError(f"max norm ratio must be non-negative, got {cfg.max_norm_ratio}")
     if cfg.max_staleness < 0:

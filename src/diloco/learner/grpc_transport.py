@@ -159,8 +159,9 @@ class GrpcTransport:
                 for blob in self._subscription:
                     self.bytes_received += wire_size(blob)
                     done = assembler.add(blob)
-                    if done is not None:
-                        self._inflight.pop(done.fragment, None)
+                    if done is not None and self._inflight.get(done.fragment) is not None \
+                            and self._inflight[done.fragment].seq == done.seq:
+                        del self._inflight[done.fragment]
                     if done is not None and not self.receiver.accept(done, done.refused):
                         self._fail(f"fragment {done.fragment} v{done.version} does not match the syncer's record of "
                                    f"what this learner holds; restart the learner to re-join")

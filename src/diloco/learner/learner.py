@@ -30,6 +30,8 @@ class FragmentSlot:
     tokens: int = 0
     pushed_at: int | None = None
     """Local step of the push whose merged result we still await (None: nothing in flight)."""
+    pushed_seq: int = 0
+    """Sequence number of that push: only the answer to it is applied."""
     ready: Arrival | None = None
     """A merged result that arrived and waits for its apply step."""
     pushed: tuple[torch.Tensor, int, int] | None = None
@@ -115,16 +117,16 @@ class Learner:
         self._seq += 1
         self.transport.push(PushJob(slot.fragment.index, delta, slot.version, slot.steps, slot.tokens, self._seq,
                                     self.data_position))
-        slot.pushed_at = self.step_count
+        slot.pushed_at, slot.pushed_seq = self.step_count, self._seq
         self.pushes += 1
 
     def _collect(self, block: bool, timeout: float | None = None) -> None:
         for arrival in self.transport.arrivals(timeout if block else None):
             slot = self.slots[arrival.fragment]
+            if slot.pushed_at is None or arrival.seq != slot.pushed_seq:
+                continue  # an answer to an earlier (re-sent) push: applying it would count progress twice
             if arrival.refused:
                 self.refused += 1
-            elif slot.pushed_at is None:
-                continue  # an answer to a re-sent push whose result was already applied
             slot.ready = arrival
 
     def _maybe_apply(self, slot: FragmentSlot) -> None:

@@ -49,6 +49,8 @@ class Arrival:
     """The new full fp32 values of the fragment (also the learner's new base)."""
     refused: str = ""
     """Non-empty when the push was refused and these are the current values to resynchronise to."""
+    seq: int = 0
+    """The push this answers."""
 
 
 class Transport(Protocol):
@@ -80,7 +82,7 @@ class Receiver:
         if tensor_checksum(values) != pub.result_checksum:
             return False
         self.held[pub.fragment] = values
-        self.inbox.put(Arrival(pub.fragment, pub.version, values, refused))
+        self.inbox.put(Arrival(pub.fragment, pub.version, values, refused, pub.seq))
         return True
 
     def drain(self, timeout: float | None) -> list[Arrival]:
@@ -142,7 +144,8 @@ class LocalTransport:
             result = core.push(self.learner_id, self.session, job.seq, job.fragment, job.base_version, job.steps,
                                job.tokens, payload, job.data_position)
             if not result.accepted and result.resync:
-                self.local.receivers[self.learner_id].accept(core.resync(self.learner_id, self.session, job.fragment), result.reason)
+                self.local.receivers[self.learner_id].accept(core.resync(self.learner_id, self.session, job.fragment, job.seq),
+                                                             "" if result.accepted else result.reason)
             self.local.deliver(core.poll())
 
     def arrivals(self, timeout=None):

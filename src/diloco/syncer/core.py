@@ -84,6 +84,8 @@ class Publication:
     full: bool
     result_checksum: int
     """CRC-32 of the fp32 values the learner must hold after applying, so drift is caught, never trained on."""
+    seq: int = 0
+    """The push this answers; the learner ignores answers to pushes it no longer waits for."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,9 @@ class SyncerCore:
             raise Refused(f"bad shape: fragment {fragment} has {expected} values, payload has {payload.numel}")
         if steps < 1 or tokens < 0:
             raise Refused(f"bad counters: steps={steps} tokens={tokens}")
+        if self.cfg.max_steps_ratio and steps > self.cfg.max_steps_ratio * self.cfg.sync_every:
+            raise Refused(f"too long unsynchronised: {steps} local steps since the last merge of fragment {fragment} "
+                          f"(limit {self.cfg.max_steps_ratio:g}·H); start over from the current values")
         try:
             delta = codec.decode(payload)
         except (codec.CorruptPayload, ValueError) as e:
@@ -300,12 +305,13 @@ class SyncerCore:
             return 0
         return codec.encoded_size(self.fragments[fragment].fragment.numel, codec.check_codec(codec_name))
 
-    def resync(self, learner_id: str, session: str, fragment: int) -> Publication:
-        """The current full fragment for a learner told to fetch it."""
+    def resync(self, learner_id: str, session: str, fragment: int, seq: int = 0) -> Publication:
+        """The current full fragment for a learner told to fetch it, as the answer to its push `seq`."""
         record = self._record(learner_id, session)
         fs = self.fragments[fragment]
         record.held[fragment] = fs.theta.clone()
-        return Publication(learner_id, fragment, fs.version, codec.encode(fs.theta, "fp32"), True, tensor_checksum(fs.theta))
+        return Publication(learner_id, fragment, fs.version, codec.encode(fs.theta, "fp32"), True,
+                           tensor_checksum(fs.theta), seq)
 
     def poll(self, force: bool = False) -> list[Publication]:
         """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom."""
@@ -368,7 +374,7 @@ class SyncerCore:
         if self.store is not None:
             self.store.append_round(entry)
         self.persist([index])  # durable before it is published
-        out = [self._publication(self.learners[c.learner], index, fs) for c in contributions]
+        out = [self._publication(self.learners[c.learner], index, fs, c.seq) for c in contributions]
         self.sync_avg.update(self.clock() - started)
         return out
 
@@ -382,7 +388,7 @@ class SyncerCore:
         missing = sum(self.learners[i].contribution_tokens.value or fallback for i in self.live() - present)
         return tokens / (tokens + missing)
 
-    def _publication(self, record: LearnerRecord, index: int, fs: FragmentState) -> Publication:
+    def _publication(self, record: LearnerRecord, index: int, fs: FragmentState, seq: int) -> Publication:
         held = record.held.get(index)
         if self.cfg.down_codec == "fp32" or held is None:
             record.held[index] = fs.theta.clone()
@@ -390,7 +396,7 @@ class SyncerCore:
         else:
             payload, full = codec.encode(fs.theta - held, self.cfg.down_codec), False
             held.add_(codec.decode(payload))  # exactly what the learner will compute
-        return Publication(record.id, index, fs.version, payload, full, tensor_checksum(record.held[index]))
+        return Publication(record.id, index, fs.version, payload, full, tensor_checksum(record.held[index]), seq)
 
     # ---- durability ---------------------------------------------------------------------------------------
     def persist(self, changed) -> None:

@@ -152,7 +152,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         elif not result.duplicate:
             self.metrics.pushes.inc()
         if result.resync:  # refused, or merged before: the learner gets the current values
-            pub = await self._core(self.core.resync, header.learner_id, header.session, header.fragment)
+            pub = await self._core(self.core.resync, header.learner_id, header.session, header.fragment, header.seq)
             self._queue(header.learner_id).put_nowait((pub, "" if result.accepted else result.reason))
         self.wake.set()
         reply = pb.PushReply(accepted=result.accepted, reason=result.reason, duplicate=result.duplicate,
@@ -170,7 +170,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             if item is None:
                 return
             pub, refused = item if isinstance(item, tuple) else (item, "")
-            for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused):
+            for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq):
                 yield self._count_out(blob)
 
     async def Heartbeat(self, request, context):

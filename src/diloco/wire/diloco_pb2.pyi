@@ -19,7 +19,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., embedding: _Optional[bool] = ...) -> None: ...
 
 class Blob(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "numel", "total_bytes", "checksum", "offset", "data", "full", "result_checksum", "refused")
+    __slots__ = ("fragment", "version", "codec", "numel", "total_bytes", "checksum", "offset", "data", "full", "result_checksum", "refused", "seq")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class Blob(_message.Message):
     FULL_FIELD_NUMBER: _ClassVar[int]
     RESULT_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -42,7 +43,8 @@ class Blob(_message.Message):
     full: bool
     result_checksum: int
     refused: str
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., full: _Optional[bool] = ..., result_checksum: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+    seq: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., full: _Optional[bool] = ..., result_checksum: _Optional[int] = ..., refused: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("learner_id", "specs", "token")

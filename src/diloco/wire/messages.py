@@ -38,14 +38,14 @@ def specs_from_proto(specs) -> list[TensorSpec]:
 
 
 def blobs(fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
-          refused: str = "") -> Iterator[pb.Blob]:
+          refused: str = "", seq: int = 0) -> Iterator[pb.Blob]:
     """A payload as a sequence of Blob chunks; the first carries all metadata, later ones repeat it (tiny)."""
     data = payload.data
     for offset in range(0, max(len(data), 1), CHUNK_BYTES):
         yield pb.Blob(
             fragment=fragment, version=version, codec=payload.codec, numel=payload.numel, total_bytes=len(data),
             checksum=payload.checksum, offset=offset, data=data[offset : offset + CHUNK_BYTES], full=full,
-            result_checksum=result_checksum, refused=refused,
+            result_checksum=result_checksum, refused=refused, seq=seq,
         )
 
 
@@ -57,6 +57,7 @@ class Assembled:
     full: bool
     result_checksum: int
     refused: str
+    seq: int = 0
 
 
 class Assembler:
@@ -87,7 +88,7 @@ class Assembler:
             raise codec.CorruptPayload(f"fragment {blob.fragment}: got {len(data)} bytes, expected {blob.total_bytes}")
         first = parts[0]
         return Assembled(first.fragment, first.version, codec.Encoded(first.codec, first.numel, data, first.checksum),
-                         first.full, first.result_checksum, first.refused)
+                         first.full, first.result_checksum, first.refused, first.seq)
 
 
 def push_chunks(header: pb.PushHeader, payload: codec.Encoded) -> Iterator[pb.PushChunk]:
