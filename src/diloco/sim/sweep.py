@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -100,7 +101,8 @@ def run_sweep(cells: list[Cell], fm: FailureModel, tm: TrainingModel, horizon: f
     by_cell: dict[Cell, CellResult] = {}
     # Most expensive cells first so the workers finish together.
     order = sorted(cells, key=lambda c: -c.chips * (c.learners if c.strategy == "diloco" else 1))
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # spawn, not fork: forking a process that already runs threads (gRPC, a syncer, a caller's own) can deadlock
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(run_cell, cell, fm, tm, horizon, repeats, seed) for cell in order]
         for future in as_completed(futures):
             result = future.result()
