@@ -6,7 +6,7 @@ import torch
 from diloco import codec
 from diloco.config import for_mode
 from diloco.fragments import TensorSpec, plan_fragments
-from diloco.syncer import store as store_module
+from diloco import atomic
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.store import StateStore
 
@@ -37,7 +37,7 @@ def test_a_crash_at_any_write_step_leaves_a_consistent_loadable_state(tmp_path, 
     s = StateStore(tmp_path)
     s.save({"v": 1}, {1: (1, {"theta": torch.full((3,), 1.0)})})
     calls = {"n": 0}
-    real_replace, real_fsync, real_unlink = store_module.os.replace, store_module.os.fsync, type(tmp_path).unlink
+    real_replace, real_fsync, real_unlink = atomic.os.replace, atomic.os.fsync, type(tmp_path).unlink
 
     def step(real):
         def wrapped(*args, **kwargs):
@@ -47,8 +47,8 @@ def test_a_crash_at_any_write_step_leaves_a_consistent_loadable_state(tmp_path, 
             return real(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(store_module.os, "replace", step(real_replace))
-    monkeypatch.setattr(store_module.os, "fsync", step(real_fsync))
+    monkeypatch.setattr(atomic.os, "replace", step(real_replace))
+    monkeypatch.setattr(atomic.os, "fsync", step(real_fsync))
     monkeypatch.setattr(type(tmp_path), "unlink", step(real_unlink))
     try:
         s.save({"v": 2}, {1: (2, {"theta": torch.full((3,), 2.0)})})

@@ -11,6 +11,7 @@ position is step × batch_size, so the step alone says where every sampler was.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import time
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from diloco.atomic import fsync_dir, save_tensors, write_bytes, write_json
 from diloco.train.config import lr_at, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler
 from diloco.train.loop import MetricsLog, StepClock, train_config_from_json
@@ -34,10 +35,7 @@ def ring_allreduce_bytes(world: int, gradient_bytes: int) -> float:
 
 
 def save(model, path: Path, **metadata) -> None:
-    tmp = path.with_suffix(".tmp")
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(tmp),
-              metadata={k: str(v) for k, v in metadata.items()})
-    os.replace(tmp, path)
+    save_tensors(path, dict(model.named_parameters()), metadata)
 
 
 # ---- checkpoints: `<out>/checkpoint/step-NNNNNNNNN.pt`, the step in the name so a launcher can read it cheaply ----
@@ -52,17 +50,10 @@ def save_checkpoint(folder: Path, step: int, model, optimizer) -> None:
     """Durable and atomic: a crash at any point leaves the previous checkpoint or this one, never a torn file."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step-{step:09d}.pt"
-    tmp = final.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fd = os.open(folder, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    buffer = io.BytesIO()
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    write_bytes(final, buffer.getvalue())
+    fsync_dir(folder)  # make the rename itself durable
     for old in folder.glob("step-*"):
         if old != final:
             old.unlink(missing_ok=True)
@@ -114,9 +105,7 @@ def job_clock(path: Path, duration: float | None) -> tuple[float, float | None]:
     else:
         now = time.time()
         clock = {"started_unix": now, "deadline_unix": now + duration if duration else None}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(clock))
-        os.replace(tmp, path)
+        write_json(path, clock)
     return clock["started_unix"], clock["deadline_unix"]
 
 

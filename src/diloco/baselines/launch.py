@@ -7,7 +7,6 @@ worker dies the launcher kills the rest and restarts all of them from the last c
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from diloco.atomic import write_json
 from diloco.baselines.dp import latest_checkpoint, ring_allreduce_bytes
 from diloco.run.cluster import spawn, stop
 from diloco.run.local import RunFailed, collect_summaries
@@ -117,9 +117,7 @@ def record(plan, restarts: list[dict]) -> dict:
     per_step = plan.learners * ring_allreduce_bytes(plan.learners, 4 * result["parameters"])
     result.update(steps_executed=executed, lost_steps=executed - result["steps"], wire_bytes=per_step * executed,
                   restarts=restarts)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, path)
+    write_json(path, result, indent=2)
     return result
 
 

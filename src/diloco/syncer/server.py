@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
-from safetensors.torch import save_file
 
+from diloco.atomic import save_tensors, write_json
 from diloco.config import SyncConfig
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics
@@ -53,16 +53,8 @@ class ServerOptions:
     """Save the global model this often into out/snapshots (0: never) — the eval-loss curve is drawn from them."""
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
-
-
 def save_model(core: SyncerCore, path: Path, **metadata) -> None:
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in core.params().items()}, str(tmp), metadata={k: str(v) for k, v in metadata.items()})
-    os.replace(tmp, path)
+    save_tensors(path, core.params(), metadata)
 
 
 def _http_server(address: str, service: SyncerService, status: dict) -> ThreadingHTTPServer:
@@ -129,7 +121,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(opts.out / "ready.json", ready)
+        write_json(opts.out / "ready.json", ready, indent=2)
     rounds = asyncio.create_task(service.run_rounds(stop))
     next_snapshot = core.clock() + opts.snapshot_seconds
     next_tokens = opts.snapshot_tokens
@@ -163,7 +155,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             await service._core(core.persist, [])
             await service._core(_snapshot, core, opts.out, status)
             save_model(core, opts.out / "model.safetensors", tokens_merged=core.tokens_merged())
-            write_json_atomic(opts.out / "syncer.json", status)
+            write_json(opts.out / "syncer.json", status, indent=2)
         service._pool.shutdown(wait=True)
     return status
 

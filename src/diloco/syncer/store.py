@@ -8,32 +8,16 @@ manifest is in place.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from diloco.atomic import fsync_dir, save_tensors, write_bytes, write_json
 
 MANIFEST = "manifest.json"
 ROUND_LOG = "rounds.jsonl"
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -64,18 +48,14 @@ class StateStore:
         files = dict(self.files)
         for index, (version, tensors) in fragments.items():
             name = f"fragment-{index}-v{version}.safetensors"
-            tmp = self.folder / (name + ".tmp")
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.folder / name)
+            save_tensors(self.folder / name, tensors)
             files[f"fragment-{index}"] = name
         ledger_name = f"ledger-{self.generation}.json"
-        write_atomic(self.folder / ledger_name, json.dumps(ledger).encode())
+        write_json(self.folder / ledger_name, ledger)
         files["ledger"] = ledger_name
-        _fsync_dir(self.folder)
-        write_atomic(self.folder / MANIFEST, json.dumps({"generation": self.generation, "files": files}).encode())
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
+        write_json(self.folder / MANIFEST, {"generation": self.generation, "files": files})
+        fsync_dir(self.folder)
         stale = set(self.files.values()) - set(files.values())
         self.files = files
         for name in stale:
@@ -100,7 +80,7 @@ class StateStore:
         return out
 
     def rewrite_rounds(self, entries: list[tuple]) -> None:
-        write_atomic(self.folder / ROUND_LOG, "".join(json.dumps(list(e)) + "\n" for e in entries).encode())
+        write_bytes(self.folder / ROUND_LOG, "".join(json.dumps(list(e)) + "\n" for e in entries).encode())
 
     def load(self) -> Loaded | None:
         """The newest consistent state, or None when nothing was ever saved."""
