@@ -29,6 +29,18 @@ def steps(learner, model, opt, n, position=0):
         time.sleep(0.005)
 
 
+def wait_for(condition, timeout=20.0):
+    """Polls instead of sleeping a fixed time: a loaded machine can take much longer than usual."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def learner_state(syncer, learner_id):
+    return {x["id"]: x for x in syncer.status["learners"]}[learner_id]
+
+
 def crash(learner):
     """What SIGKILL does to a learner, seen from the syncer: its connection ends without a Leave."""
     transport = learner.transport
@@ -46,12 +58,12 @@ def test_crashed_learner_is_absent_then_rejoins_with_global_model_and_data_posit
         oa, ob = torch.optim.AdamW(ma.parameters(), 1e-2), torch.optim.AdamW(mb.parameters(), 1e-2)
         steps(a, ma, oa, 40)
         steps(b, mb, ob, 8)
-        time.sleep(0.5)  # a's last pushes (after steps 38 and 40) are merged
+        wait_for(lambda: learner_state(syncer, "a")["data_position"] == 40)  # a's last pushes are merged
         crash(a)
-        time.sleep(1.5)  # past the absence timeout
+        wait_for(lambda: learner_state(syncer, "a")["state"] == "absent")
         rounds_before = syncer.status["rounds"]
         steps(b, mb, ob, 40)  # b alone keeps the global model advancing
-        time.sleep(0.6)
+        wait_for(lambda: syncer.status["rounds"] > rounds_before)
         states = {x["id"]: x for x in syncer.status["learners"]}
         assert states["a"]["state"] == "absent" and states["b"]["state"] == "live"
         assert syncer.status["rounds"] > rounds_before
