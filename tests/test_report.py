@@ -2,8 +2,9 @@
 
 from rich.console import Console
 
+from diloco.run.accounting import (down_seconds, fault_windows, goodput, goodput_while_up, healthy_rate,
+                                   tokens_per_life, uptime)
 from diloco.run.display import human_bytes, progress_table
-from diloco.run.report import uptime
 
 
 def test_uptime_is_the_share_of_windows_with_an_advance():
@@ -35,9 +36,44 @@ def test_human_bytes():
 
 
 def test_tokens_are_summed_over_the_lives_of_a_restarted_learner():
-    from diloco.run.report import tokens_per_life
-
     lines = [{"step": 1, "tokens": 10}, {"step": 2, "tokens": 20}, {"step": 1, "tokens": 10}, {"step": 2, "tokens": 20},
              {"step": 3, "tokens": 30}]
     assert tokens_per_life(lines) == [20, 30]
     assert tokens_per_life([]) == []
+
+
+def steps_every(seconds, start, end, busy_at):
+    """Metric lines of one learner stepping every `seconds`, each taking busy_at(t) seconds of compute."""
+    n = int((end - start) / seconds)
+    return [{"t": start + i * seconds, "busy": busy_at(start + i * seconds)} for i in range(n)]
+
+
+def test_healthy_rate_ignores_steps_taken_during_and_just_after_faults():
+    windows = fault_windows([{"start": 5, "end": 30, "kind": "kill", "target": "b"}], origin=1000)
+    # a's steps are fast while b is down (more CPU for a) and slow while b restarts: neither is healthy speed
+    busy = lambda t: 0.25 if 1005 <= t < 1030 else (2.0 if 1030 <= t < 1035 else 0.5)
+    lines = steps_every(0.5, 1000, 1040, busy)
+    assert healthy_rate(lines, windows, tokens_per_step=100) == 200.0
+    assert healthy_rate(lines, [], tokens_per_step=100) == 400.0  # the median of all steps is a faulty one
+    most_faulty = fault_windows([{"start": 0, "end": 39, "kind": "hang", "target": "b"}], origin=1000)
+    assert healthy_rate(lines, most_faulty, 100) == 400.0  # too few healthy steps: all steps' median
+    assert healthy_rate([], windows, 100) == 0.0
+
+
+def test_down_seconds_counts_only_kills_of_that_learner_inside_the_run():
+    windows = fault_windows([{"start": 10, "end": 20, "kind": "kill", "target": "b"},
+                             {"start": 15, "end": 30, "kind": "kill", "target": "b"},  # overlapping: counted once
+                             {"start": 50, "end": 70, "kind": "kill", "target": "b"},  # runs past the end
+                             {"start": 0, "end": 5, "kind": "hang", "target": "b"},
+                             {"start": 0, "end": 5, "kind": "kill", "target": "a"}], origin=0)
+    assert down_seconds("b", windows, 0, 60) == 30
+    assert down_seconds("c", windows, 0, 60) == 0
+
+
+def test_goodput_counts_the_whole_run_and_goodput_while_up_only_the_time_a_learner_exists():
+    rates = {"a": 100.0, "b": 100.0}
+    windows = fault_windows([{"start": 0, "end": 50, "kind": "kill", "target": "b"}], origin=0)
+    merged = 100 * 100 + 100 * 50  # a all along, b after its restart
+    assert goodput(merged, rates, wall=100) == 0.75
+    assert goodput_while_up(merged, rates, windows, 0, 100) == 1.0
+    assert goodput(0, {}, 100) == 0.0 and goodput_while_up(5, {}, [], 0, 100) == 0.0

@@ -42,6 +42,8 @@ class Plan:
     chaos: str | None = None
     faults: list | None = None
     fault_timeline: list | None = None
+    fault_origin_unix: float | None = None
+    """Unix time that the fault schedule's second 0 corresponds to (the first trained tokens)."""
 
 
 def make_plan(args) -> Plan:
@@ -160,6 +162,7 @@ def _dp_injector(plan: Plan):
         workers.procs = procs
         if not started and any((plan.out / "metrics").glob("*.jsonl")):
             started.append(time.monotonic())
+            plan.fault_origin_unix = time.time()
         if started:
             injector.tick(time.monotonic() - started[0])
         plan.fault_timeline = injector.timeline
@@ -227,6 +230,7 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
                 status = cluster.status()
                 if started is None and status and status.get("tokens_trained", 0) > 0:
                     started = time.monotonic()
+                    plan.fault_origin_unix = time.time()
                 if status and status.get("stopping"):
                     injector.finish()  # the budget is spent: nothing more to break or restart
                 elif started is not None:

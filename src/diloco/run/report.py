@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
 
+from diloco.run import accounting
 from diloco.run.display import human_bytes
 from diloco.train.data import Corpus, eval_batches, evaluate, sample_text
 from diloco.train.model import build_model, count_parameters
@@ -44,25 +45,6 @@ def read_metrics(folder: Path) -> dict[str, list[dict]]:
     return out
 
 
-def tokens_per_life(lines: list[dict]) -> list[int]:
-    """Tokens trained in each process life of one learner: its step counter restarts at 1 after a restart."""
-    lives: list[int] = []
-    for x in lines:
-        if x.get("step") == 1 or not lives:
-            lives.append(0)
-        lives[-1] = max(lives[-1], x.get("tokens", 0))
-    return lives
-
-
-def uptime(advances: list[float], start: float, end: float, interval: float) -> float:
-    """Share of [start, end) cut into windows of `interval` seconds in which the model advanced at least once."""
-    if end <= start or interval <= 0:
-        return 0.0
-    windows = max(1, int((end - start) // interval))
-    hit = {min(int((t - start) // interval), windows - 1) for t in advances if start <= t < start + windows * interval}
-    return len(hit) / windows
-
-
 def build_report(plan, learners: list[dict], source: dict, started_unix: float) -> dict:
     torch.set_num_threads(2)
     out, train = plan.out, plan.train
@@ -72,14 +54,16 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
     t1 = max((x["t"] for x in lines), default=started_unix)
     wall = t1 - t0
     tokens_per_step = train.tokens_per_step()
+    faults = source.get("faults", plan.fault_timeline or [])
+    origin = plan.fault_origin_unix or t0
+    windows = accounting.fault_windows(faults, origin)
     for summary in learners:
         ls = metrics.get(summary["id"], [])
-        busy = sorted(x["busy"] for x in ls) or [float("nan")]
         summary.setdefault("steps", len(ls))
-        summary["healthy_tokens_per_second"] = tokens_per_step / busy[len(busy) // 2] if ls else 0.0
-    capacity = sum(s["healthy_tokens_per_second"] for s in learners) * wall
+        summary["healthy_tokens_per_second"] = accounting.healthy_rate(ls, windows, tokens_per_step)
+    rates = {s["id"]: s["healthy_tokens_per_second"] for s in learners}
     for summary in learners:  # a restarted learner's summary covers only its last life; its metrics cover all
-        lives = tokens_per_life(metrics.get(summary["id"], []))
+        lives = accounting.tokens_per_life(metrics.get(summary["id"], []))
         if len(lives) > 1 and plan.mode != "dp":
             summary["tokens"], summary["lives"] = sum(lives), len(lives)
     tokens_trained = sum(s.get("tokens", 0) for s in learners)
@@ -125,8 +109,9 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "eval_loss_reduction": 1 - final_loss / curve[0]["eval_loss"],
         "wire_bytes": int(wire),
         "rounds": rounds,
-        "goodput": tokens_merged / capacity if capacity else 0.0,
-        "uptime": uptime(advances, t0, t1, interval),
+        "goodput": accounting.goodput(tokens_merged, rates, wall),
+        "goodput_while_up": accounting.goodput_while_up(tokens_merged, rates, windows, t0, t1),
+        "uptime": accounting.uptime(advances, t0, t1, interval),
         "model_parameters": count_parameters(model),
         "step_seconds_median": step_median,
         "config": config,
@@ -136,11 +121,11 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "sample": sample,
     }
     if plan.chaos:
-        report["chaos"] = {"scenario": plan.chaos, "faults": source.get("faults", plan.fault_timeline or [])}
+        report["chaos"] = {"scenario": plan.chaos, "faults": faults}
         if plan.mode == "dp":
             report["chaos"].update(restarts=source.get("restarts", []), lost_steps=source.get("lost_steps", 0))
         run_start = source.get("started_unix", t0)
-        plot_timeline([t - run_start for t in advances], report["chaos"]["faults"], t0 - run_start,
+        plot_timeline([t - run_start for t in advances], faults, origin - run_start,
                       plan.mode, out / "timeline.png")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     plot_curve(curve, plan.mode, out / "eval_loss.png")
@@ -201,7 +186,7 @@ def print_summary(report: dict, console: Console) -> None:
                                       f"(−{100 * report['eval_loss_reduction']:.1f}%)"),
         ("rounds", f"{report['rounds']:,}"),
         ("wire bytes", human_bytes(report["wire_bytes"])),
-        ("goodput", f"{report['goodput']:.3f}"),
+        ("goodput (while up)", f"{report['goodput']:.3f} ({report['goodput_while_up']:.3f})"),
         ("uptime", f"{report['uptime']:.3f}"),
     ]
     for k, v in rows:

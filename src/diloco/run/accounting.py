@@ -1,0 +1,89 @@
+"""Goodput and uptime of a run (DESIGN §8) from per-step metric lines and the injected fault timeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SETTLE_SECONDS = 5.0
+"""After a fault ends the cluster is not yet healthy: a restarted process spends seconds importing and joining."""
+MIN_HEALTHY_STEPS = 10
+"""Fewer steps than this in fault-free time and a learner's healthy rate falls back to all its steps."""
+DOWN_KINDS = ("kill",)
+"""Faults during which a learner's process does not exist."""
+
+
+@dataclass(frozen=True)
+class Window:
+    start: float
+    end: float
+    kind: str
+    target: str
+
+
+def fault_windows(faults: list[dict], origin: float) -> list[Window]:
+    """The timeline's faults (seconds after `origin`) as absolute windows on the metric lines' clock."""
+    return [Window(origin + f["start"], origin + f["end"], f["kind"], f["target"]) for f in faults]
+
+
+def healthy(t: float, windows: list[Window]) -> bool:
+    """No fault active at `t`, nor ending less than SETTLE_SECONDS before it."""
+    return not any(w.start <= t < w.end + SETTLE_SECONDS for w in windows)
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def healthy_rate(lines: list[dict], windows: list[Window], tokens_per_step: int) -> float:
+    """Tokens/s of one learner's steps taken while the run had no fault (its healthy speed, DESIGN §8)."""
+    if not lines:
+        return 0.0
+    busy = [x["busy"] for x in lines if healthy(x["t"], windows)]
+    if len(busy) < MIN_HEALTHY_STEPS:
+        busy = [x["busy"] for x in lines]
+    return tokens_per_step / median(busy)
+
+
+def down_seconds(learner: str, windows: list[Window], start: float, end: float) -> float:
+    """Seconds of [start, end) during which the learner's process was killed and not yet restarted."""
+    spans = sorted((max(w.start, start), min(w.end, end)) for w in windows if w.target == learner and w.kind in DOWN_KINDS)
+    total, reach = 0.0, start
+    for a, b in spans:
+        a = max(a, reach)
+        if b > a:
+            total, reach = total + b - a, b
+    return total
+
+
+def goodput(tokens_merged: float, rates: dict[str, float], wall: float) -> float:
+    """Merged tokens over what every learner could have processed at its healthy rate over the whole run."""
+    capacity = sum(rates.values()) * wall
+    return tokens_merged / capacity if capacity > 0 else 0.0
+
+
+def goodput_while_up(tokens_merged: float, rates: dict[str, float], windows: list[Window], start: float,
+                     end: float) -> float:
+    """As `goodput`, but a killed learner adds no capacity until it is restarted: what the system made of the
+    machines it had. Injected downtime lowers `goodput` but not this."""
+    capacity = sum(rate * (end - start - down_seconds(lid, windows, start, end)) for lid, rate in rates.items())
+    return tokens_merged / capacity if capacity > 0 else 0.0
+
+
+def uptime(advances: list[float], start: float, end: float, interval: float) -> float:
+    """Share of [start, end) cut into windows of `interval` seconds in which the model advanced at least once."""
+    if end <= start or interval <= 0:
+        return 0.0
+    windows = max(1, int((end - start) // interval))
+    hit = {min(int((t - start) // interval), windows - 1) for t in advances if start <= t < start + windows * interval}
+    return len(hit) / windows
+
+
+def tokens_per_life(lines: list[dict]) -> list[int]:
+    """Tokens trained in each process life of one learner: its step counter restarts at 1 after a restart."""
+    lives: list[int] = []
+    for x in lines:
+        if x.get("step") == 1 or not lives:
+            lives.append(0)
+        lives[-1] = max(lives[-1], x.get("tokens", 0))
+    return lives
