@@ -2,8 +2,7 @@
 
 from rich.console import Console
 
-from diloco.run.accounting import (down_seconds, fault_windows, goodput, goodput_while_up, healthy_rate,
-                                   tokens_per_life, uptime)
+from diloco.run.accounting import fault_windows, goodput, healthy_rate, new_steps, tokens_per_life, uptime
 from diloco.run.display import human_bytes, progress_table
 
 
@@ -60,20 +59,11 @@ def test_healthy_rate_ignores_steps_taken_during_and_just_after_faults():
     assert healthy_rate([], windows, 100) == 0.0
 
 
-def test_down_seconds_counts_only_kills_of_that_learner_inside_the_run():
-    windows = fault_windows([{"start": 10, "end": 20, "kind": "kill", "target": "b"},
-                             {"start": 15, "end": 30, "kind": "kill", "target": "b"},  # overlapping: counted once
-                             {"start": 50, "end": 70, "kind": "kill", "target": "b"},  # runs past the end
-                             {"start": 0, "end": 5, "kind": "hang", "target": "b"},
-                             {"start": 0, "end": 5, "kind": "kill", "target": "a"}], origin=0)
-    assert down_seconds("b", windows, 0, 60) == 30
-    assert down_seconds("c", windows, 0, 60) == 0
+def test_goodput_is_merged_tokens_over_healthy_capacity_for_the_whole_run():
+    assert goodput(15000, {"a": 100.0, "b": 100.0}, wall=100) == 0.75
+    assert goodput(0, {}, 100) == 0.0
 
 
-def test_goodput_counts_the_whole_run_and_goodput_while_up_only_the_time_a_learner_exists():
-    rates = {"a": 100.0, "b": 100.0}
-    windows = fault_windows([{"start": 0, "end": 50, "kind": "kill", "target": "b"}], origin=0)
-    merged = 100 * 100 + 100 * 50  # a all along, b after its restart
-    assert goodput(merged, rates, wall=100) == 0.75
-    assert goodput_while_up(merged, rates, windows, 0, 100) == 1.0
-    assert goodput(0, {}, 100) == 0.0 and goodput_while_up(5, {}, [], 0, 100) == 0.0
+def test_steps_recomputed_after_a_restart_do_not_advance_the_model():
+    lines = [{"t": t, "step": s} for t, s in [(1, 1), (2, 2), (3, 3), (9, 2), (10, 3), (11, 4)]]
+    assert new_steps(lines) == [1, 2, 3, 11]

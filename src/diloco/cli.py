@@ -97,6 +97,25 @@ def cmd_syncer(args) -> int:
     return 0
 
 
+def leave_on_signal():
+    """SIGTERM or Ctrl-C removes the learner from the run cleanly: it pushes what is left and leaves. A second
+    signal stops it at once."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("leaving the run after this step (signal again to stop at once)", file=sys.stderr)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
 def cmd_learner(args) -> int:
     import torch
 
@@ -105,7 +124,8 @@ def cmd_learner(args) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = train_config(args)
-    opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.max_steps, args.metrics)
+    opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.max_steps, args.metrics,
+                         stop=leave_on_signal())
     transport = GrpcTransport(args.syncer, token=args.token or "", connect_timeout=args.connect_timeout,
                               tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     summary = run_learner(cfg, transport, opts)

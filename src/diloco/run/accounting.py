@@ -8,8 +8,6 @@ SETTLE_SECONDS = 5.0
 """After a fault ends the cluster is not yet healthy: a restarted process spends seconds importing and joining."""
 MIN_HEALTHY_STEPS = 10
 """Fewer steps than this in fault-free time and a learner's healthy rate falls back to all its steps."""
-DOWN_KINDS = ("kill",)
-"""Faults during which a learner's process does not exist."""
 
 
 @dataclass(frozen=True)
@@ -45,28 +43,13 @@ def healthy_rate(lines: list[dict], windows: list[Window], tokens_per_step: int)
     return tokens_per_step / median(busy)
 
 
-def down_seconds(learner: str, windows: list[Window], start: float, end: float) -> float:
-    """Seconds of [start, end) during which the learner's process was killed and not yet restarted."""
-    spans = sorted((max(w.start, start), min(w.end, end)) for w in windows if w.target == learner and w.kind in DOWN_KINDS)
-    total, reach = 0.0, start
-    for a, b in spans:
-        a = max(a, reach)
-        if b > a:
-            total, reach = total + b - a, b
-    return total
-
-
 def goodput(tokens_merged: float, rates: dict[str, float], wall: float) -> float:
-    """Merged tokens over what every learner could have processed at its healthy rate over the whole run."""
+    """Merged tokens over what every learner could have processed at its healthy rate over the whole run.
+
+    Each rate is measured in fault-free time, so where learners share machines (one host running them all) the
+    capacity is the hosts': a killed learner frees cores for the others and costs only what the system loses.
+    """
     capacity = sum(rates.values()) * wall
-    return tokens_merged / capacity if capacity > 0 else 0.0
-
-
-def goodput_while_up(tokens_merged: float, rates: dict[str, float], windows: list[Window], start: float,
-                     end: float) -> float:
-    """As `goodput`, but a killed learner adds no capacity until it is restarted: what the system made of the
-    machines it had. Injected downtime lowers `goodput` but not this."""
-    capacity = sum(rate * (end - start - down_seconds(lid, windows, start, end)) for lid, rate in rates.items())
     return tokens_merged / capacity if capacity > 0 else 0.0
 
 
@@ -77,6 +60,17 @@ def uptime(advances: list[float], start: float, end: float, interval: float) -> 
     windows = max(1, int((end - start) // interval))
     hit = {min(int((t - start) // interval), windows - 1) for t in advances if start <= t < start + windows * interval}
     return len(hit) / windows
+
+
+def new_steps(lines: list[dict]) -> list[float]:
+    """Times at which a data-parallel model reached a step it never had: steps recomputed after a restart from
+    a checkpoint redo lost work and do not advance the model."""
+    out, reached = [], 0
+    for x in lines:
+        if x["step"] > reached:
+            out.append(x["t"])
+            reached = x["step"]
+    return out
 
 
 def tokens_per_life(lines: list[dict]) -> list[int]:

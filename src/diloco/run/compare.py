@@ -68,4 +68,7 @@ def print_table(reports: dict[str, dict], chaos: str | None) -> None:
         table.add_row(mode, f"{r['goodput']:.3f}", f"{r['uptime']:.3f}", f"{r['final_eval_loss']:.4f}",
                       f"{100 * (r['final_eval_loss'] / ref['final_eval_loss'] - 1):+.1f}%", f"{r['wire_bytes']:,}",
                       f"{ref['wire_bytes'] / max(r['wire_bytes'], 1):,.2f}×", f"{r['tokens_merged']:,}")
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped to a file: no terminal width to fit, so do not squeeze the figures
+        console = Console(width=160)
+    console.print(table)

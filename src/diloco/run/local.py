@@ -224,6 +224,11 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
     injector = Injector(faults, cluster)
     try:
         cluster.start()
+        if progress.enabled:
+            progress.console.print(
+                f"syncer on 127.0.0.1:{cluster.grpc_port}; add a learner with `diloco learner --syncer "
+                f"127.0.0.1:{cluster.grpc_port} --id NAME --train-config {plan.out / 'train_config.json'}`, "
+                "remove one with SIGTERM")
         started = None  # fault times count from the first trained tokens, not from process start-up
         with progress:
             while True:

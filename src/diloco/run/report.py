@@ -71,7 +71,7 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
 
     if plan.mode == "dp":
         tokens_merged, rounds, wire = tokens_trained, source["steps"], source["wire_bytes"]
-        advances = [x["t"] for x in metrics.get("learner-0", [])]
+        advances = accounting.new_steps(metrics.get("learner-0", []))
         interval = 2 * step_median
         model_dir, config = out / "dp", {"fragments": 1, "sync_every": 1, "overlap": 0, "codec": "fp32"}
     else:
@@ -110,7 +110,6 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "wire_bytes": int(wire),
         "rounds": rounds,
         "goodput": accounting.goodput(tokens_merged, rates, wall),
-        "goodput_while_up": accounting.goodput_while_up(tokens_merged, rates, windows, t0, t1),
         "uptime": accounting.uptime(advances, t0, t1, interval),
         "model_parameters": count_parameters(model),
         "step_seconds_median": step_median,
@@ -186,7 +185,7 @@ def print_summary(report: dict, console: Console) -> None:
                                       f"(−{100 * report['eval_loss_reduction']:.1f}%)"),
         ("rounds", f"{report['rounds']:,}"),
         ("wire bytes", human_bytes(report["wire_bytes"])),
-        ("goodput (while up)", f"{report['goodput']:.3f} ({report['goodput_while_up']:.3f})"),
+        ("goodput", f"{report['goodput']:.3f}"),
         ("uptime", f"{report['uptime']:.3f}"),
     ]
     for k, v in rows:

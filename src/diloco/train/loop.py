@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ class WorkerOptions:
     """Stop after this many inner steps even if the syncer has not said stop."""
     metrics_path: Path | None = None
     """Where to append one JSON line per step."""
+    stop: threading.Event | None = None
+    """Set (e.g. on SIGTERM) to leave the run after the current step, pushing what is left first."""
 
 
 def train_config_to_json(cfg: TrainConfig) -> str:
@@ -106,6 +109,8 @@ def run_learner(cfg: TrainConfig, transport: Transport, opts: WorkerOptions, cor
     started = time.time()
     try:
         while not learner.should_stop and (opts.max_steps is None or learner.step_count < opts.max_steps):
+            if opts.stop is not None and opts.stop.is_set():
+                break
             t0 = clock.start()
             x, y = sampler.next_batch()
             loss = train_step(model, optimizer, x, y, learner.step_count, cfg)
