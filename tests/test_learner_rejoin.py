@@ -74,7 +74,10 @@ def test_crashed_learner_is_absent_then_rejoins_with_global_model_and_data_posit
         assert a2.data_position == 40  # the ledger's record of where a's data ended
         for frag, slot in zip(plan_fragments(tensor_specs(fresh), 2), a2.slots):
             assert torch.equal(gather(dict(fresh.named_parameters()), frag), slot.base)
-        steps(a2, fresh, torch.optim.AdamW(fresh.parameters(), 1e-2), 20, position=a2.data_position)
+        opt2 = torch.optim.AdamW(fresh.parameters(), 1e-2)
+        steps(a2, fresh, opt2, cfg.sync_every, position=a2.data_position)  # one sync period
+        wait_for(lambda: learner_state(syncer, "a").get("merged", 0) > merged_a)  # contributes again
+        steps(a2, fresh, opt2, 16, position=a2.data_position)
         a2.finish()
         b.finish()
     finally:
