@@ -34,6 +34,7 @@ def run_cli(capsys, *argv):
     (["compare", "--modes", "decoupled,sideways"], "unknown mode 'sideways' in --modes"),
     (["run", "--mode", "dp", "--chaos", "syncer-crash"], "data-parallel runs have no syncer link"),
     (["run", "--chaos", "random", "--mtbf", "0"], "--mtbf must be positive"),
+    (["run", "--lr-decay", "1.5"], "--lr-decay must be between 0 and 1"),
 ])
 def test_bad_flags_are_refused_clearly(capsys, tmp_path, argv, message):
     code, err = run_cli(capsys, *argv, "--out", str(tmp_path / "run")) if argv[0] == "run" else run_cli(capsys, *argv)

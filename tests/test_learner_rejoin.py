@@ -1,4 +1,5 @@
-"""A learner that vanishes without leaving is marked absent, stops no one, and rejoins under its id."""
+"""A learner that vanishes without leaving is marked absent, stops no one, and rejoins under its id; learners
+hear how much of the run's budget is spent."""
 
 import time
 
@@ -84,3 +85,18 @@ def test_crashed_learner_is_absent_then_rejoins_with_global_model_and_data_posit
         final = syncer.stop()
     states = {x["id"]: x for x in final["learners"]}
     assert states["a"]["merged"] > merged_a  # contributes again after rejoining
+
+
+def test_learners_hear_how_much_of_the_budget_is_spent():
+    cfg = for_mode("decoupled", 1, fragments=2, sync_every=4, heartbeat_seconds=0.1)
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, token_budget=16 * 100))
+    try:
+        model = net()
+        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        assert learner.budget_progress is None  # nothing heard yet
+        steps(learner, model, torch.optim.AdamW(model.parameters(), 1e-2), 25)  # 400 of 1600 tokens
+        wait_for(lambda: (learner.budget_progress or 0.0) > 0.2)  # reports are periodic: the last step may lag
+        assert 0.2 < learner.budget_progress <= 0.25
+        learner.finish()
+    finally:
+        syncer.stop()

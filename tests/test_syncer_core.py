@@ -174,6 +174,20 @@ def test_token_budget_and_duration_stop_the_run():
     assert core2.heartbeat("a", s2)
 
 
+def test_budget_progress_is_the_larger_share_of_tokens_or_time_spent():
+    core, clock = make_core()
+    assert core.budget_progress() is None  # no budget: learners keep a constant learning rate
+    core.token_budget = 1000
+    s = core.join("a", SPECS)
+    core.heartbeat("a", s, tokens_trained=250)
+    assert core.budget_progress() == 0.25
+    core.duration = 10.0
+    clock.now += 5.0
+    assert core.budget_progress() == 0.5
+    core.heartbeat("a", s, tokens_trained=2000)
+    assert core.budget_progress() == 1.0  # never past the end
+
+
 def test_partial_round_is_scaled_by_its_share_of_expected_tokens():
     core, clock = make_core(learners=4, grace=0.0, outer_momentum=0.0, outer_lr=1.0)
     sessions = {x: core.join(x, SPECS) for x in "abcd"}

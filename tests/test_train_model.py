@@ -72,6 +72,15 @@ def test_lr_warms_up_linearly_then_stays_constant():
     assert [lr_at(s, cfg) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
 
 
+def test_lr_decays_linearly_over_the_end_of_a_known_budget():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=4, decay_fraction=0.2, min_lr_ratio=0.1)
+    at = [lr_at(100, cfg, p) for p in (0.0, 0.5, 0.8, 0.9, 1.0, 1.5)]
+    assert at == pytest.approx([1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4, 1e-4])
+    assert lr_at(1, cfg, 0.9) == pytest.approx(5e-4 * 0.55)  # a late joiner still warms up, scaled by the decay
+    assert lr_at(100, cfg, None) == 1e-3  # no known budget: constant
+    assert lr_at(100, TrainConfig(lr=1e-3, decay_fraction=0.0), 0.95) == 1e-3
+
+
 def test_weight_decay_only_on_matrices():
     model = build_model(ModelConfig(), seed=0)
     opt = make_inner_optimizer(model, TrainConfig(weight_decay=0.1))

@@ -57,6 +57,8 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="seed of the model initialisation and data order (0)")
     g.add_argument("--batch-size", type=int, help="sequences per inner step per learner (16)")
     g.add_argument("--lr", type=float, help="inner AdamW learning rate")
+    g.add_argument("--lr-decay", type=float, dest="decay_fraction", metavar="FRACTION",
+                   help="final share of the budget over which the learning rate falls to a tenth (0.2; 0: constant)")
 
 
 def train_config(args):
@@ -66,8 +68,11 @@ def train_config(args):
     from diloco.train.loop import train_config_from_json
 
     cfg = train_config_from_json(args.train_config.read_text()) if getattr(args, "train_config", None) else TrainConfig()
-    changes = {k: getattr(args, k, None) for k in ("corpus", "seed", "batch_size", "lr")}
-    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+    changes = {k: getattr(args, k, None) for k in ("corpus", "seed", "batch_size", "lr", "decay_fraction")}
+    cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+    if not 0 <= cfg.decay_fraction <= 1:
+        raise ValueError(f"--lr-decay must be between 0 and 1 (a share of the budget), got {cfg.decay_fraction}")
+    return cfg
 
 
 def address(text: str) -> str:

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     metrics = args.out.parent / "metrics" / f"learner-{args.rank}.jsonl"
     end_cut_line(metrics)
     clock, log = StepClock(args.speed), MetricsLog(metrics)
-    flat = torch.zeros(numel + 1)  # gradients plus one slot for the stop vote, in a single all-reduce
+    flat = torch.zeros(numel + 2)  # gradients, rank 0's stop vote and share of the time budget: one all-reduce
     tokens_per_step = cfg.tokens_per_step()
     started, deadline = job_clock(args.out / "clock.json", args.duration) if args.rank == 0 else (0.0, None)
 
@@ -157,18 +157,21 @@ def main(argv=None) -> int:
         save(model, snapshots / f"{seconds:010.3f}.safetensors", seconds=seconds, step=step,
              tokens_trained=step * tokens_per_step * args.world, tokens_merged=step * tokens_per_step * args.world)
 
+    time_progress = None  # only rank 0 keeps the job's clock; the others learn it with each all-reduce
     while args.max_steps is None or step < args.max_steps:
         t0 = clock.start()
         x, y = sampler.next_batch()
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg, step / args.max_steps if args.max_steps else time_progress)
         _, loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         busy = clock.finish(t0)  # the all-reduce below waits for the slowest worker: not this worker's own speed
         torch.cat([q.grad.reshape(-1) for q in params], out=flat[:numel])
         flat[numel] = float(args.rank == 0 and deadline is not None and time.time() >= deadline)
+        flat[numel + 1] = (time.time() - started) / args.duration if args.rank == 0 and args.duration else 0.0
         dist.all_reduce(flat)
+        time_progress = float(flat[numel + 1]) if args.duration else None  # every rank decays alike
         offset = 0
         for q in params:
             q.grad.copy_(flat[offset : offset + q.numel()].view_as(q) / args.world)

@@ -49,6 +49,7 @@ class GrpcTransport:
         self._pushes: queue.Queue[PushJob | None] = queue.Queue()
         self._closing = threading.Event()
         self._stop_requested = False
+        self._budget_progress: float | None = None
         self._progress: dict = {}
         self._threads: list[threading.Thread] = []
         self._subscription = None
@@ -190,6 +191,7 @@ class GrpcTransport:
                 self.bytes_sent += wire_size(request)
                 self.bytes_received += wire_size(reply)
                 self._stop_requested |= reply.stop
+                self._budget_progress = reply.budget_progress if reply.HasField("budget_progress") else None
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     self._fail(f"heartbeat refused: {e.details()}")
@@ -220,6 +222,10 @@ class GrpcTransport:
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested
+
+    @property
+    def budget_progress(self) -> float | None:
+        return self._budget_progress
 
     @property
     def wire_bytes(self) -> int:

@@ -84,6 +84,12 @@ class Learner:
         """True once the syncer says the run's budget is spent."""
         return self.transport.stop_requested
 
+    @property
+    def budget_progress(self) -> float | None:
+        """Share of the run's budget (tokens or duration) spent, as the syncer last said; None if it has none.
+        Drive a learning-rate decay with it so that every learner decays together."""
+        return self.transport.budget_progress
+
     def step(self, tokens: int, loss: float | None = None, data_position: int | None = None) -> None:
         """Call after every inner optimizer step with the tokens that step consumed."""
         now = time.monotonic()

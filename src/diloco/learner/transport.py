@@ -61,6 +61,8 @@ class Transport(Protocol):
     @property
     def stop_requested(self) -> bool: ...
     @property
+    def budget_progress(self) -> float | None: ...
+    @property
     def wire_bytes(self) -> int: ...
     def close(self) -> None: ...
 
@@ -121,6 +123,7 @@ class LocalTransport:
         self.learner_id = ""
         self.session = ""
         self._stop = False
+        self._budget_progress: float | None = None
 
     def join(self, learner_id, specs, initial):
         self.learner_id = learner_id
@@ -154,10 +157,15 @@ class LocalTransport:
     def report(self, **progress):
         with self.local.lock:
             self._stop = self.local.core.heartbeat(self.learner_id, self.session, **progress)
+            self._budget_progress = self.local.core.budget_progress()
 
     @property
     def stop_requested(self) -> bool:
         return self._stop
+
+    @property
+    def budget_progress(self) -> float | None:
+        return self._budget_progress
 
     @property
     def wire_bytes(self) -> int:

@@ -210,6 +210,15 @@ class SyncerCore:
             return True
         return self.duration is not None and self.first_join_at is not None and self.clock() - self.first_join_at >= self.duration
 
+    def budget_progress(self) -> float | None:
+        """Share of the token or time budget spent (the larger when both are set); None without a budget."""
+        shares = []
+        if self.token_budget:
+            shares.append(self.tokens_trained() / self.token_budget)
+        if self.duration and self.first_join_at is not None:
+            shares.append((self.clock() - self.first_join_at) / self.duration)
+        return min(max(shares), 1.0) if shares else None
+
     def leave(self, learner_id: str, session: str) -> None:
         self._record(learner_id, session).left = True
 

@@ -188,7 +188,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         except Refused as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         self.wake.set()
-        return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=self.core.tokens_trained()))
+        return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=self.core.tokens_trained(),
+                                                 budget_progress=self.core.budget_progress()))
 
     async def Leave(self, request, context):
         self._count_in(request)

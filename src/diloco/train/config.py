@@ -45,7 +45,7 @@ class TrainConfig:
     """Sequences per inner step per learner."""
 
     lr: float = 3e-3
-    """Peak AdamW learning rate, reached after `warmup_steps` and then held constant."""
+    """Peak AdamW learning rate, reached after `warmup_steps`; held until the decay at the end of the budget."""
 
     weight_decay: float = 0.1
     """AdamW weight decay, applied only to matrices (parameters with two or more dimensions)."""
@@ -55,6 +55,13 @@ class TrainConfig:
 
     warmup_steps: int = 20
     """Inner steps over which the learning rate rises linearly from lr/warmup_steps to lr."""
+
+    decay_fraction: float = 0.2
+    """Final share of the run's budget over which the learning rate falls linearly to `min_lr_ratio`·lr
+    (warmup–stable–decay). Applies only when the budget is known (steps, tokens or duration); 0 disables it."""
+
+    min_lr_ratio: float = 0.1
+    """Learning rate at the very end of the budget, as a fraction of `lr`."""
 
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value before each inner step; 0 disables clipping."""
@@ -91,11 +98,16 @@ def make_inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=cfg.betas)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for inner step `step` (0 = the first step): linear warmup, then constant.
+def lr_at(step: int, cfg: TrainConfig, progress: float | None = None) -> float:
+    """Learning rate for inner step `step` (0 = the first step) when `progress` of the run's budget is spent.
 
-    Constant after warmup because a learner does not know how long the run will be, and may join late.
+    Linear warmup over the learner's own first steps, constant, then a linear decay over the last
+    `decay_fraction` of the budget. The decay follows the run's progress, not the learner's step count, so a
+    learner that joins late decays together with the others; with no known budget (`progress` None) the rate
+    stays constant after warmup.
     """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr
+    lr = cfg.lr * (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else cfg.lr
+    if progress is None or cfg.decay_fraction <= 0:
+        return lr
+    into_decay = (progress - (1 - cfg.decay_fraction)) / cfg.decay_fraction
+    return lr * (1 - min(max(into_decay, 0.0), 1.0) * (1 - cfg.min_lr_ratio))

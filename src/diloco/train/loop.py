@@ -84,9 +84,9 @@ class MetricsLog:
             self._file.close()
 
 
-def train_step(model, optimizer, x, y, step: int, cfg: TrainConfig) -> float:
+def train_step(model, optimizer, x, y, step: int, cfg: TrainConfig, progress: float | None = None) -> float:
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg)
+        group["lr"] = lr_at(step, cfg, progress)
     _, loss = model(x, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -113,7 +113,8 @@ def run_learner(cfg: TrainConfig, transport: Transport, opts: WorkerOptions, cor
                 break
             t0 = clock.start()
             x, y = sampler.next_batch()
-            loss = train_step(model, optimizer, x, y, learner.step_count, cfg)
+            progress = learner.step_count / opts.max_steps if opts.max_steps else learner.budget_progress
+            loss = train_step(model, optimizer, x, y, learner.step_count, cfg, progress)
             busy = clock.finish(t0)
             learner.step(tokens_per_step, loss=loss, data_position=sampler.position)
             log.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
