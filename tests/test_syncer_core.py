@@ -206,6 +206,20 @@ def test_partial_round_is_scaled_by_its_share_of_expected_tokens():
     assert torch.allclose(core.fragments[1].theta, after - 1.0, atol=1e-6)
 
 
+def test_a_long_contribution_counts_as_h_steps_in_the_share():
+    core, clock = make_core(learners=4, grace=0.0, outer_momentum=0.0, outer_lr=1.0)
+    sessions = {x: core.join(x, SPECS) for x in "abcd"}
+    for x in "bcd":  # the others' typical contribution: 4 steps, 400 tokens
+        push(core, x, sessions[x], 1, value=0.0, steps=4, tokens=400)
+        core.poll()
+    before = core.fragments[1].theta.clone()
+    # a, cut off for 60 steps, returns with all of them from one old base: it counts as H = 6 steps (600 tokens)
+    push(core, "a", sessions["a"], 1, value=1.0, steps=60, tokens=6000)
+    core.poll()
+    assert torch.allclose(core.fragments[1].theta, before - 600 / (600 + 3 * 400), atol=1e-6)
+    assert core.learners["a"].tokens_merged == 6000 / 3  # all its work reached the model (per fragment of 3)
+
+
 def test_scaling_can_be_disabled():
     core, _ = make_core(learners=2, grace=0.0, outer_momentum=0.0, outer_lr=1.0, scale_partial_rounds=False)
     sa, _ = core.join("a", SPECS), core.join("b", SPECS)
@@ -244,7 +258,7 @@ def test_payload_limit_matches_the_codec_size():
 
 
 def test_contribution_from_a_long_disconnection_is_refused_with_resync():
-    core, _ = make_core()  # H = 6: more than 4·H = 24 local steps is too long
+    core, _ = make_core(max_steps_ratio=4.0)  # H = 6: more than 4·H = 24 local steps is too long
     s = core.join("a", SPECS)
     n = core.fragments[1].fragment.numel
     result = core.push("a", s, 1, 1, 0, 25, 2500, codec.encode(torch.zeros(n), "fp32"))

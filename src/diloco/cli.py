@@ -14,7 +14,7 @@ from diloco.config import MODES
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
-              "absent_after_seconds", "delayed_momentum", "keep_overlap")
+              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio")
 
 
 class UserError(Exception):
@@ -35,6 +35,8 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--outer-lr", type=float, help="η of the Nesterov outer step (0.7)")
     g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (0.9)")
     g.add_argument("--max-staleness", type=int, help="refuse contributions this many versions behind (16)")
+    g.add_argument("--max-steps-ratio", type=float,
+                   help="refuse contributions of more than this many times H local steps (0: merge them, counted as H)")
     g.add_argument("--staleness-decay", type=float, help="λ: weight / (1 + λ·staleness) (0)")
     g.add_argument("--blend", type=float, help="α: θ ← α·θ + (1−α)·Θ on apply (0: overwrite); needs --no-keep-overlap")
     g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")

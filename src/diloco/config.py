@@ -58,9 +58,10 @@ class SyncConfig:
     """λ: a contribution's weight is divided by (1 + λ·staleness)."""
     max_staleness: int = 16
     """Contributions staler than this many versions are refused and the learner resynchronises."""
-    max_steps_ratio: float = 4.0
-    """Refuse (and resynchronise) a contribution covering more than this many times H local steps: only a long
-    disconnection produces one, and its stale progress would be merged at full token share (0: off)."""
+    max_steps_ratio: float = 0.0
+    """Refuse (and resynchronise) a contribution covering more than this many times H local steps (0: off, the
+    default). Only a long disconnection produces one; merged, it counts as H steps in weights and shares, which
+    keeps its work without letting it overshoot, so refusing is rarely worth the lost work."""
     max_norm_ratio: float = 50.0
     """Refuse a contribution whose norm per step exceeds this multiple of the fragment's recent median (0: off).
     Generous because a learning-rate warmup alone changes norms per step by up to its ramp (20× here)."""

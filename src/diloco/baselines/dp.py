@@ -201,6 +201,8 @@ def main(argv=None) -> int:
         save(model, args.out / "model.safetensors")
         snapshot()
         (args.out / "dp.json").write_text(json.dumps({"steps": step, "parameters": numel, "started_unix": started}))
+    # leave together: a rank that tears down gloo while rank 0 still writes its files can abort on exit
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -354,11 +354,11 @@ class SyncerCore:
     def _close(self, index: int, fs: FragmentState) -> list[Publication]:
         started = self.clock()
         contributions = list(fs.pending.values())
-        weights = [
-            token_weight(c.tokens, c.steps, fs.version - c.base_version, self.cfg.staleness_decay) for c in contributions
-        ]
+        counted = [self._counted(c) for c in contributions]
+        weights = [token_weight(tokens, steps, fs.version - c.base_version, self.cfg.staleness_decay)
+                   for c, (tokens, steps) in zip(contributions, counted)]
         delta = merge([c.delta for c in contributions], weights, segments(fs.fragment), self.cfg.merge)
-        share = self._round_share(contributions) if self.cfg.scale_partial_rounds else 1.0
+        share = self._round_share(contributions, [t for t, _ in counted]) if self.cfg.scale_partial_rounds else 1.0
         if share < 1.0:
             delta.mul_(share)
         if self.cfg.delayed_momentum:
@@ -371,9 +371,9 @@ class SyncerCore:
         fs.version += 1
         fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
         self.rounds += 1
-        for c in contributions:
+        for c, (tokens, _) in zip(contributions, counted):
             record = self.learners[c.learner]
-            record.contribution_tokens.update(c.tokens)
+            record.contribution_tokens.update(tokens)
             record.merged_seq[f"{c.session}:{index}"] = max(c.seq, record.merged_seq.get(f"{c.session}:{index}", 0))
             record.merged += 1
             record.tokens_merged += c.tokens / len(self.fragments)
@@ -387,9 +387,17 @@ class SyncerCore:
         self.sync_avg.update(self.clock() - started)
         return out
 
-    def _round_share(self, contributions: list[Contribution]) -> float:
+    def _counted(self, c: Contribution) -> tuple[float, float]:
+        """(tokens, steps) a contribution counts for in weights and shares: at most H steps' worth. A learner cut
+        off for long returns with many steps of progress from an old base; counted in full, each such
+        contribution would take most of a round's share, and together they would overshoot the average."""
+        if c.steps <= self.cfg.sync_every:
+            return float(c.tokens), float(c.steps)
+        return c.tokens * self.cfg.sync_every / c.steps, float(self.cfg.sync_every)
+
+    def _round_share(self, contributions: list[Contribution], counted: list[float]) -> float:
         """Tokens in this round over those plus what each live learner missing from it typically brings."""
-        tokens = sum(c.tokens for c in contributions)
+        tokens = sum(counted)
         if tokens <= 0:
             return 1.0
         present = {c.learner for c in contributions}
