@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 SETTLE_SECONDS = 5.0
@@ -14,23 +15,16 @@ MIN_HEALTHY_STEPS = 10
 class Window:
     start: float
     end: float
-    kind: str
-    target: str
 
 
 def fault_windows(faults: list[dict], origin: float) -> list[Window]:
     """The timeline's faults (seconds after `origin`) as absolute windows on the metric lines' clock."""
-    return [Window(origin + f["start"], origin + f["end"], f["kind"], f["target"]) for f in faults]
+    return [Window(origin + f["start"], origin + f["end"]) for f in faults]
 
 
 def healthy(t: float, windows: list[Window]) -> bool:
     """No fault active at `t`, nor ending less than SETTLE_SECONDS before it."""
     return not any(w.start <= t < w.end + SETTLE_SECONDS for w in windows)
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else float("nan")
 
 
 def healthy_rate(lines: list[dict], windows: list[Window], tokens_per_step: int) -> float:
@@ -40,7 +34,7 @@ def healthy_rate(lines: list[dict], windows: list[Window], tokens_per_step: int)
     busy = [x["busy"] for x in lines if healthy(x["t"], windows)]
     if len(busy) < MIN_HEALTHY_STEPS:
         busy = [x["busy"] for x in lines]
-    return tokens_per_step / median(busy)
+    return tokens_per_step / statistics.median_high(busy)
 
 
 def goodput(tokens_merged: float, rates: dict[str, float], wall: float) -> float:
