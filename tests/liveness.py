@@ -1,4 +1,5 @@
-"""A liveness watchdog for multi-process tests: records how long the global model ever went without advancing."""
+"""Helpers for multi-process tests: a liveness watchdog that records how long the global model ever went without
+advancing, and polling for a condition instead of sleeping a fixed time."""
 
 from __future__ import annotations
 
@@ -44,3 +45,17 @@ class Watchdog:
         stall = self.stop()
         assert self.samples > 10, "the watchdog never heard from the syncer"
         assert stall <= allowed, f"the global model stopped advancing for {stall:.1f}s (allowed {allowed}s)"
+
+
+def wait_for(condition, timeout: float = 60.0, period: float = 0.1) -> None:
+    """Poll `condition` until it holds (fails after `timeout` s): a loaded machine can be far slower than usual.
+    An OSError from the condition (the syncer not answering yet) counts as not yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(period)

@@ -14,7 +14,7 @@ from diloco.run.local import TINY
 from diloco.train.config import TrainConfig
 from diloco.train.loop import train_config_to_json
 
-from liveness import Watchdog
+from liveness import Watchdog, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,18 +29,6 @@ def learners_in(http_port):
 
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=2) as r:
         return {x["id"]: x for x in json.loads(r.read())["learners"]}
-
-
-def wait_for(condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.2)
 
 
 def test_learner_added_mid_run_contributes_and_sigterm_removes_one_cleanly(tmp_path):

@@ -12,6 +12,8 @@ from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.syncer.server import ServerOptions, SyncerThread
 
+from liveness import wait_for
+
 
 def net(seed=0):
     torch.manual_seed(seed)
@@ -28,14 +30,6 @@ def steps(learner, model, opt, n, position=0):
         opt.step()
         learner.step(16, loss=loss.item(), data_position=position + i + 1)
         time.sleep(0.005)
-
-
-def wait_for(condition, timeout=20.0):
-    """Polls instead of sleeping a fixed time: a loaded machine can take much longer than usual."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def learner_state(syncer, learner_id):

@@ -197,6 +197,10 @@ class GrpcTransport:
                     self._fail(f"heartbeat refused: {e.details()}")
                     return
                 log.debug("heartbeat failed: %s", e.code().name)
+            except ValueError:  # the channel was closed under us: only a shutdown does that
+                if self._closing.is_set():
+                    return
+                raise
 
     def _fail(self, message: str) -> None:
         log.error(message)
