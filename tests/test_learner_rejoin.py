@@ -53,7 +53,11 @@ def test_crashed_learner_is_absent_then_rejoins_with_global_model_and_data_posit
         oa, ob = torch.optim.AdamW(ma.parameters(), 1e-2), torch.optim.AdamW(mb.parameters(), 1e-2)
         steps(a, ma, oa, 40)
         steps(b, mb, ob, 8)
-        wait_for(lambda: learner_state(syncer, "a").get("data_position") == 40)  # a's last pushes are merged
+        # a's pushes are all merged; a push due while the one before is unanswered is skipped, so the last merged
+        # one may cover data up to step 40 or a little before
+        wait_for(lambda: sum(syncer.status.get("pending", [1])) == 0
+                 and learner_state(syncer, "a").get("data_position", 0) >= 40 - 2 * cfg.sync_every)
+        merged_position = learner_state(syncer, "a")["data_position"]
         crash(a)
         wait_for(lambda: learner_state(syncer, "a").get("state") == "absent")
         rounds_before = syncer.status["rounds"]
@@ -66,7 +70,7 @@ def test_crashed_learner_is_absent_then_rejoins_with_global_model_and_data_posit
 
         fresh = net(seed=123)  # a restarted process: fresh weights, replaced on join by the global model
         a2 = Learner(fresh, GrpcTransport(syncer.address), "a")
-        assert a2.data_position == 40  # the ledger's record of where a's data ended
+        assert a2.data_position == merged_position  # the ledger's record of where a's merged data ended
         for frag, slot in zip(plan_fragments(tensor_specs(fresh), 2), a2.slots):
             assert torch.equal(gather(dict(fresh.named_parameters()), frag), slot.base)
         opt2 = torch.optim.AdamW(fresh.parameters(), 1e-2)
@@ -89,8 +93,10 @@ def test_learners_hear_how_much_of_the_budget_is_spent():
         learner = Learner(model, GrpcTransport(syncer.address), "a")
         assert learner.budget_progress is None  # nothing heard yet
         steps(learner, model, torch.optim.AdamW(model.parameters(), 1e-2), 25)  # 400 of 1600 tokens
-        wait_for(lambda: (learner.budget_progress or 0.0) > 0.2)  # reports are periodic: the last step may lag
-        assert 0.2 < learner.budget_progress <= 0.25
+        # progress is reported at most every heartbeat_seconds / 2 (here at most 10 steps of 5 ms apart), so what
+        # the syncer heard is between step 15 and step 25
+        wait_for(lambda: (learner.budget_progress or 0.0) >= 0.15)
+        assert 0.15 <= learner.budget_progress <= 0.25
         learner.finish()
     finally:
         syncer.stop()
