@@ -206,9 +206,10 @@ class SyncerCore:
         return self.should_stop()
 
     def should_stop(self) -> bool:
-        if self.stopping or (self.token_budget is not None and self.tokens_trained() >= self.token_budget):
+        if self.stopping:
             return True
-        return self.duration is not None and self.first_join_at is not None and self.clock() - self.first_join_at >= self.duration
+        progress = self.budget_progress()
+        return progress is not None and progress >= 1.0
 
     def budget_progress(self) -> float | None:
         """Share of the token or time budget spent (the larger when both are set); None without a budget."""

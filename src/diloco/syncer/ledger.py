@@ -58,7 +58,8 @@ class LearnerRecord:
         state = "left" if self.left else ("live" if now - self.last_seen <= absent_after else "absent")
         return {
             "id": self.id, "state": state, "step": self.step, "tokens": self.tokens_trained,
-            "tokens_merged": self.tokens_merged, "data_position": self.data_position, "loss": self.loss, "tokens_per_second": self.tokens_per_second,
+            "tokens_merged": self.tokens_merged, "data_position": self.data_position, "loss": self.loss,
+            "tokens_per_second": self.tokens_per_second,
             "pushes": self.pushes, "merged": self.merged, "refused": self.refused, "applied": self.applied,
             "speed": self.speed, "step_seconds": self.step_time.value, "last_seen_ago": round(now - self.last_seen, 3),
         }
