@@ -62,6 +62,30 @@ def test_adaptive_grace_drives_decision():
     assert decide(state("a", quorum_at=3.0), LIVE, avg, now=4.0, cfg=cfg).close
 
 
+def test_round_stays_open_for_a_learner_predicted_to_push_soon():
+    cfg = PolicyConfig(quorum=1, overlap=2, grace=0.0, expect_steps=4.0)
+    avg = Averages(step=1.0)
+    d = decide(state("a", opened=10.0), LIVE, avg, now=10.0, cfg=cfg, expected={"b": 12.0})
+    assert not d.close and d.wake_at == pytest.approx(12.5)  # its predicted push plus half a step of margin
+    assert decide(state("a", opened=10.0, quorum_at=10.0), LIVE, avg, 12.5, cfg, {"b": 12.0}).close  # late: go on
+    # predicted beyond the horizon (opening + 4 steps): not waited for
+    assert decide(state("a", opened=10.0), LIVE, avg, now=10.0, cfg=cfg, expected={"b": 14.5}).close
+
+
+def test_predictions_are_ignored_when_off_unknown_or_not_needed():
+    avg, expected = Averages(step=1.0), {"b": 12.0, "c": 11.0}
+    off = PolicyConfig(quorum=1, overlap=2, grace=0.0)
+    assert decide(state("a", opened=10.0), LIVE, avg, 10.0, off, expected).close
+    on = PolicyConfig(quorum=1, overlap=2, grace=0.0, expect_steps=4.0)
+    assert decide(state("a", opened=10.0), LIVE, Averages(), 10.0, on, expected).close  # no step time yet
+    # absent learners and those already in the round do not hold it open
+    assert decide(state("a", "c", opened=10.0), frozenset({"a", "c"}), avg, 10.0, on, expected).close
+    d = decide(state("a", "b", opened=10.0), LIVE, avg, 10.0, on, expected)
+    assert d.wake_at == pytest.approx(11.5)  # only c is awaited
+    # an overdue prediction never extends the grace window
+    assert decide(state("a", opened=10.0, quorum_at=10.0), LIVE, avg, 10.0, on, {"b": 9.0}).close
+
+
 def test_moving_average():
     m = MovingAverage(alpha=0.5)
     assert m.value is None

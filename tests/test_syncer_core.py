@@ -97,6 +97,26 @@ def test_grace_window_end_closes_without_the_slow_learner():
     assert [p.learner for p in core.poll()] == ["a"]
 
 
+def test_round_waits_for_a_learner_whose_push_of_the_fragment_is_due_in_a_few_steps():
+    # H = 6, P = 3: offsets 0, 2, 4. b pushed fragment 0 at t = 100, so fragment 1 is due two steps later.
+    core, clock = make_core(grace=0.0, grace_expect_steps=3.0)
+    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    for lid, s in (("a", sa), ("b", sb)):
+        core.heartbeat(lid, s, step_seconds=1.0)
+    push(core, "b", sb, 1, fragment=0)
+    core.poll()
+    clock.now = 101.0
+    push(core, "a", sa, 2, fragment=1)
+    assert core.poll() == [] and core.next_wakeup() == pytest.approx(102.5)
+    clock.now = 102.1
+    push(core, "b", sb, 3, fragment=1)
+    assert sorted(p.learner for p in core.poll()) == ["a", "b"]
+    # fragment 0 (offset 0) is due for b 4 steps after its push of fragment 1 (offset 2): beyond 3, not awaited
+    clock.now = 102.5
+    push(core, "a", sa, 4, fragment=0)
+    assert [p.learner for p in core.poll()] == ["a"]
+
+
 def test_absent_learner_is_not_waited_for():
     core, clock = make_core(learners=2, quorum=1, grace=100.0)
     sa, _ = core.join("a", SPECS), core.join("b", SPECS)

@@ -14,7 +14,7 @@ from diloco.config import MODES
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
-              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio")
+              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps")
 
 
 class UserError(Exception):
@@ -31,6 +31,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--codec", choices=CODECS, help="outer-gradient codec (decoupled: int4)")
     g.add_argument("--down-codec", choices=CODECS, help="codec of merged fragments sent back (decoupled: int8)")
     g.add_argument("--grace", type=float, help="fixed grace window in seconds (default: adaptive)")
+    g.add_argument("--grace-expect-steps", type=float, metavar="STEPS",
+                   help="keep a round open for learners predicted to push within this many steps of its opening "
+                        "(6; 0: grace window only)")
     g.add_argument("--merge", choices=("rda", "mean"), help="merge rule for non-embedding tensors (rda)")
     g.add_argument("--outer-lr", type=float, help="η of the Nesterov outer step (0.7)")
     g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (0.9)")

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 
 from diloco.codec import check_codec
+from diloco.policy import PolicyConfig
 
 MODES = ("decoupled", "streaming", "diloco", "dp")
 
@@ -30,6 +31,10 @@ class SyncConfig:
     """Share γ of the overlap's free time the adaptive grace window may use."""
     grace_cap_steps: float = 1.0
     """Cap of the adaptive grace window, in learner step times."""
+    grace_expect_steps: float = 6.0
+    """Also keep a round open for live learners whose push of the fragment is predicted (from their last push and
+    step time) within this many step times of the round's opening; 0 leaves only the grace window. Learners never
+    wait for it: a later merged fragment is applied when it arrives."""
     codec: str = "int4"
     """Codec of the outer gradients learners push: fp32, bf16, int8 or int4."""
     down_codec: str = "int8"
@@ -69,6 +74,11 @@ class SyncConfig:
     """How often a learner reports liveness and progress."""
     absent_after_seconds: float = 10.0
     """A learner silent this long is absent: rounds stop waiting for it."""
+
+    def policy(self) -> PolicyConfig:
+        """The settings the round-closing policy reads."""
+        return PolicyConfig(self.quorum, self.overlap, self.grace, self.grace_gamma, self.grace_cap_steps,
+                            self.grace_expect_steps)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -120,5 +130,7 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
         raise ValueError(f"max steps ratio must be non-negative, got {cfg.max_steps_ratio}")
     if cfg.max_norm_ratio < 0:
         raise ValueError(f"max norm ratio must be non-negative, got {cfg.max_norm_ratio}")
+    if cfg.grace_expect_steps < 0:
+        raise ValueError(f"--grace-expect-steps must be non-negative, got {cfg.grace_expect_steps}")
     if cfg.max_staleness < 0:
         raise ValueError(f"max staleness must be non-negative, got {cfg.max_staleness}")

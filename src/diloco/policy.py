@@ -6,6 +6,7 @@ clock or sleeps, so every rule is tested with plain numbers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -21,6 +22,9 @@ class PolicyConfig:
     """Share of the overlap's free time the adaptive window may use (γ < 1 keeps learners from stalling)."""
     cap_steps: float = 1.0
     """Upper bound of the adaptive window, in learner step times."""
+    expect_steps: float = 0.0
+    """Also keep a round open for live learners predicted to push its fragment within this many step times of
+    the round's opening (0: the grace window alone decides)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,25 @@ def grace_seconds(avg: Averages, cfg: PolicyConfig) -> float:
     return min(max(cfg.gamma * slack, 0.0), cfg.cap_steps * avg.step)
 
 
-def decide(state: RoundState, live: frozenset[str], avg: Averages, now: float, cfg: PolicyConfig) -> Decision:
-    """Close now, or say until when to wait."""
+def expected_until(state: RoundState, live: frozenset[str], avg: Averages, cfg: PolicyConfig,
+                   expected: Mapping[str, float]) -> float | None:
+    """Latest predicted push, plus half a step of margin, of the live learners missing from the round whose
+    push is predicted within `expect_steps` step times of its opening; None when there are none.
+
+    Learners of equal speed drift a few steps apart (shared hosts, jitter), which a grace window of one step
+    cannot bridge; their pushes of the same fragment are nevertheless seconds apart and predictable.
+    """
+    if not cfg.expect_steps or avg.step is None:
+        return None
+    horizon = state.opened_at + cfg.expect_steps * avg.step
+    soon = [at for who, at in expected.items() if who in live and who not in state.contributors and at <= horizon]
+    return max(soon) + 0.5 * avg.step if soon else None
+
+
+def decide(state: RoundState, live: frozenset[str], avg: Averages, now: float, cfg: PolicyConfig,
+           expected: Mapping[str, float] | None = None) -> Decision:
+    """Close now, or say until when to wait. `expected` maps learners to the time their push of this fragment
+    is predicted (see `expected_until`)."""
     count = len(state.contributors)
     if count == 0:
         return Decision(False, "empty")
@@ -73,6 +94,9 @@ def decide(state: RoundState, live: frozenset[str], avg: Averages, now: float, c
     if live <= state.contributors:
         return Decision(True, "every live learner contributed", quorum_at=quorum_at)
     deadline = quorum_at + grace_seconds(avg, cfg)
+    awaited = expected_until(state, live, avg, cfg, expected or {})
+    if awaited is not None and awaited > deadline:
+        deadline = awaited
     if now >= deadline:
         return Decision(True, "grace window ended", quorum_at=quorum_at)
     return Decision(False, "grace window open", wake_at=deadline, quorum_at=quorum_at)

@@ -21,7 +21,8 @@ from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, plan_fragments, segments, signature
 from diloco.merge import merge, token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
-from diloco.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide
+from diloco.policy import Averages, MovingAverage, RoundState, decide
+from diloco.schedule import offset
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import persistence
 from diloco.syncer.store import StateStore
@@ -109,7 +110,7 @@ class SyncerCore:
         self.token_budget = token_budget
         self.duration = duration
         self.first_join_at: float | None = None
-        self.policy = PolicyConfig(cfg.quorum, cfg.overlap, cfg.grace, cfg.grace_gamma, cfg.grace_cap_steps)
+        self.policy = cfg.policy()
         self.specs: list[TensorSpec] | None = None
         self.fragments: list[FragmentState] = []
         self.learners: dict[str, LearnerRecord] = {}
@@ -254,6 +255,8 @@ class SyncerCore:
         pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
         if pending is not None and (pending.session, pending.seq) == (session, seq):
             return PushResult(True, "duplicate push ignored", duplicate=True)
+        if 0 <= fragment < len(self.fragments):
+            record.last_push = (self.clock(), fragment)  # its phase in the push schedule, for predicting the next
         try:
             delta = self._validate(fragment, steps, tokens, payload)
         except Refused as e:
@@ -330,8 +333,7 @@ class SyncerCore:
         for index, fs in enumerate(self.fragments):
             if not fs.pending:
                 continue
-            state = RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at)
-            d = decide(state, live, avg, now, self.policy)
+            d = self._decide(index, fs, live, avg, now)
             if d.quorum_at is not None and fs.quorum_at is None:
                 fs.quorum_at = d.quorum_at
                 self.quorum_avg.update(d.quorum_at - fs.opened_at)
@@ -343,14 +345,32 @@ class SyncerCore:
         """When `poll` may have something new to do without any new request."""
         times = []
         live, avg, now = self.live(), self.averages(), self.clock()
-        for fs in self.fragments:
+        for index, fs in enumerate(self.fragments):
             if fs.pending:
-                d = decide(RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at), live, avg, now, self.policy)
+                d = self._decide(index, fs, live, avg, now)
                 times.append(now if d.close else d.wake_at)
         # a learner turning absent can unblock a round that waits for everyone
         times += [self.learners[i].last_seen + self.cfg.absent_after_seconds for i in live]
         times = [t for t in times if t is not None]
         return min(times) if times else None
+
+    def _decide(self, index: int, fs: FragmentState, live: frozenset[str], avg: Averages, now: float):
+        state = RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at)
+        expected = {}
+        if self.policy.expect_steps:
+            expected = {i: at for i in live - state.contributors
+                        if (at := self._predicted_push(self.learners[i], index)) is not None}
+        return decide(state, live, avg, now, self.policy, expected)
+
+    def _predicted_push(self, record: LearnerRecord, fragment: int) -> float | None:
+        """When `record`'s learner should next push `fragment`: from its last push, the schedule's offsets (DESIGN
+        §3.2) and its step time."""
+        if record.last_push is None or not record.step_time.value:
+            return None
+        at, last = record.last_push
+        H, P = self.cfg.sync_every, self.cfg.fragments
+        steps = (offset(fragment, H, P) - offset(last, H, P)) % H or H
+        return at + steps * record.step_time.value
 
     def _close(self, index: int, fs: FragmentState) -> list[Publication]:
         started = self.clock()

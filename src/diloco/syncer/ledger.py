@@ -33,6 +33,8 @@ class LearnerRecord:
     step_time: MovingAverage = field(default_factory=MovingAverage)
     contribution_tokens: MovingAverage = field(default_factory=MovingAverage)
     """Typical tokens per merged contribution: how much a round misses when this learner is not in it."""
+    last_push: tuple[float, int] | None = None
+    """(clock time, fragment) of its latest push: its phase in the push schedule."""
     held: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per fragment, the exact values this learner holds as its base: what downlink changes are taken against."""
     merged_seq: dict[str, int] = field(default_factory=dict)

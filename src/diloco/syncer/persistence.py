@@ -10,7 +10,6 @@ import torch
 
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec, plan_fragments
-from diloco.policy import PolicyConfig
 from diloco.syncer.ledger import LearnerRecord
 
 log = logging.getLogger("diloco.syncer")
@@ -56,8 +55,7 @@ def restore(core) -> bool:
     if stored_cfg != core.cfg:
         log.warning("resuming with the stored run configuration, not the one given on the command line")
         core.cfg = stored_cfg
-        core.policy = PolicyConfig(stored_cfg.quorum, stored_cfg.overlap, stored_cfg.grace, stored_cfg.grace_gamma,
-                                   stored_cfg.grace_cap_steps)
+        core.policy = stored_cfg.policy()
     core.specs = [TensorSpec(n, tuple(shape), dtype, emb) for n, shape, dtype, emb in led["specs"]]
     core.fragments = []
     for i, fragment in enumerate(plan_fragments(core.specs, core.cfg.fragments)):
