@@ -169,13 +169,12 @@ class ScriptedTransport:
     def __init__(self, cfg):
         from diloco.learner.transport import JoinInfo
 
-        self.cfg, self.jobs, self.inbox = cfg, [], []
+        self.cfg, self.jobs, self.inbox, self.leads = cfg, [], [], []
         self.JoinInfo = JoinInfo
         self.stop_requested, self.wire_bytes = False, 0
 
     def join(self, learner_id, specs, initial):
-        (values,) = initial(1)
-        return self.JoinInfo(self.cfg, "s", [(0, 0, values)])
+        return self.JoinInfo(self.cfg, "s", [(i, 0, v) for i, v in enumerate(initial(self.cfg.fragments))])
 
     def push(self, job):
         self.jobs.append(job)
@@ -186,6 +185,9 @@ class ScriptedTransport:
 
     def report(self, **progress):
         pass
+
+    def take_phase_lead(self):
+        return self.leads.pop(0) if self.leads else None
 
 
 def test_an_answer_to_an_earlier_push_is_never_applied():
@@ -204,3 +206,42 @@ def test_an_answer_to_an_earlier_push_is_never_applied():
     transport.inbox.append(Arrival(0, 1, torch.tensor([0.5]), seq=1))  # the answer to seq 1: applied
     train_steps(model, opt, learner, [1.0])
     assert learner.applied == 1
+
+
+def test_a_learner_out_of_phase_shifts_its_push_schedule_one_step_at_a_time():
+    cfg = for_mode("decoupled", 2, fragments=4, sync_every=4, overlap=0)
+    assert cfg.align_pushes
+    model = nn.ParameterDict({name: nn.Parameter(torch.zeros(1)) for name in "abcd"})
+    transport = ScriptedTransport(cfg)
+    learner = Learner(model, transport, "a")
+    pushed = []
+
+    def step(lead=None):
+        transport.leads.append(lead)
+        before = len(transport.jobs)
+        for slot in learner.slots:
+            slot.pushed_at = None  # as if every result had come back
+        learner.step(10)
+        pushed.append([j.fragment for j in transport.jobs[before:]])
+
+    # offsets 0, 1, 2, 3: fragment p is due after steps with t ≡ p (mod 4)
+    step(), step(), step(-1.5)  # behind: step 3 pushes the next step's fragment 0 as well as its own 3
+    assert pushed == [[1], [2], [3, 0]] and learner.realigned == 1
+    step(-1.5)  # the syncer needs ALIGN_EVERY steps to see a correction: ignored until then
+    assert pushed[-1] == [1] and learner.realigned == 1
+    step(), step(), step(0.5)  # less than a step off: no correction
+    assert pushed[-3:] == [[2], [3], [0]]
+    step(2.0)  # ahead: nothing this step; fragment 1 goes one step later
+    step()
+    assert pushed[-2:] == [[], [1]] and learner.realigned == 2
+
+
+def test_pushes_keep_the_plain_schedule_when_alignment_is_off():
+    cfg = for_mode("decoupled", 2, fragments=1, sync_every=2, overlap=0, align_pushes=False)
+    model = FixedGradient()
+    transport = ScriptedTransport(cfg)
+    learner = Learner(model, transport, "a")
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    transport.leads = [-3.0] * 6
+    train_steps(model, opt, learner, [1.0] * 2)
+    assert [j.seq for j in transport.jobs] == [1] and learner.realigned == 0

@@ -14,7 +14,7 @@ from diloco.config import MODES
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
-              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps")
+              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes")
 
 
 class UserError(Exception):
@@ -45,6 +45,8 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")
     g.add_argument("--keep-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="on apply keep the local progress made since the push (decoupled: on; others: overwrite)")
+    g.add_argument("--align-pushes", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep learners' push schedules in phase with their peers' (decoupled: on)")
     g.add_argument("--no-delayed-momentum", dest="delayed_momentum", action="store_false", default=None,
                    help="advance outer momentum on every round, even partial ones")
     g.add_argument("--heartbeat-seconds", type=float, help=argparse.SUPPRESS)

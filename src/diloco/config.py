@@ -35,6 +35,10 @@ class SyncConfig:
     """Also keep a round open for live learners whose push of the fragment is predicted (from their last push and
     step time) within this many step times of the round's opening; 0 leaves only the grace window. Learners never
     wait for it: a later merged fragment is applied when it arrives."""
+    align_pushes: bool = False
+    """Keep each learner's push schedule in phase with its peers of similar speed: a learner the syncer reports
+    a step or more behind pushes the next step's fragment early as well, one ahead pushes one step later (at
+    most once every 4 steps). Equal-speed learners otherwise drift apart and fill rounds apart."""
     codec: str = "int4"
     """Codec of the outer gradients learners push: fp32, bf16, int8 or int4."""
     down_codec: str = "int8"
@@ -97,7 +101,7 @@ def for_mode(mode: str, learners: int, **overrides) -> SyncConfig:
         # outer η = 1, μ = 0 and keeping the overlap measured best for K = 1 (docs/results.md); the synchronous
         # modes keep DiLoCo's published 0.7 / 0.9 and overwrite, as the methods they reproduce
         "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4", outer_lr=1.0, outer_momentum=0.0,
-                          keep_overlap=True),
+                          keep_overlap=True, align_pushes=True),
         "streaming": dict(quorum=learners, wait_for_merge=True, codec="bf16", down_codec="fp32"),
         "diloco": dict(fragments=1, overlap=0, quorum=learners, wait_for_merge=True, codec="fp32", down_codec="fp32"),
     }[mode]

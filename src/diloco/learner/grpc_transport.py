@@ -50,6 +50,7 @@ class GrpcTransport:
         self._closing = threading.Event()
         self._stop_requested = False
         self._budget_progress: float | None = None
+        self._phase_lead: float | None = None
         self._progress: dict = {}
         self._threads: list[threading.Thread] = []
         self._subscription = None
@@ -192,6 +193,7 @@ class GrpcTransport:
                 self.bytes_received += wire_size(reply)
                 self._stop_requested |= reply.stop
                 self._budget_progress = reply.budget_progress if reply.HasField("budget_progress") else None
+                self._phase_lead = reply.phase_lead if reply.HasField("phase_lead") else None
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     self._fail(f"heartbeat refused: {e.details()}")
@@ -230,6 +232,10 @@ class GrpcTransport:
     @property
     def budget_progress(self) -> float | None:
         return self._budget_progress
+
+    def take_phase_lead(self) -> float | None:
+        lead, self._phase_lead = self._phase_lead, None
+        return lead
 
     @property
     def wire_bytes(self) -> int:

@@ -18,6 +18,9 @@ from diloco.fragments import Fragment, gather, plan_fragments, scatter, tensor_s
 from diloco.learner.transport import Arrival, PushJob, SyncerError, Transport
 from diloco.schedule import due
 
+ALIGN_EVERY = 4
+"""Least number of steps between two phase corrections: time for the syncer to see the last one."""
+
 
 @dataclass
 class FragmentSlot:
@@ -65,7 +68,10 @@ class Learner:
         self.step_count = 0
         self.tokens = 0
         self.data_position = self.info.data_position
-        self.pushes = self.applied = self.skipped = self.refused = self.flushed = 0
+        self.pushes = self.applied = self.skipped = self.refused = self.flushed = self.realigned = 0
+        self._shift = 0
+        """Steps this learner's push schedule runs ahead of its step count (phase alignment)."""
+        self._aligned_at = -ALIGN_EVERY
         self._seq = 0
         self._last_step_at: float | None = None
         self._step_seconds: float | None = None
@@ -104,13 +110,29 @@ class Learner:
         for slot in self.slots:
             slot.steps += 1
             slot.tokens += tokens
-        for p in due(self.step_count, self.config.sync_every, self.config.fragments):
+        for p in self._due():
             self._push(self.slots[p])
         self._collect(block=False)
         for slot in self.slots:
             self._maybe_apply(slot)
         if now - self._last_report >= self.config.heartbeat_seconds / 2:
             self._report(loss, now)
+
+    def _due(self) -> list[int]:
+        """Fragments to push now: those due at this learner's position in the schedule (its step plus a shift that
+        keeps it in phase with its peers, DESIGN §3.2)."""
+        H, P = self.config.sync_every, self.config.fragments
+        lead = self.transport.take_phase_lead() if self.config.align_pushes else None
+        if lead is not None and abs(lead) >= 1 and self.step_count - self._aligned_at >= ALIGN_EVERY:
+            self._aligned_at = self.step_count
+            self.realigned += 1
+            if lead > 0:  # ahead: stay at the last step's position, so this step's fragments go one step later
+                self._shift -= 1
+                return []
+            self._shift += 1  # behind: also push the next step's fragments now
+            position = self.step_count + self._shift
+            return due(position - 1, H, P) + due(position, H, P)
+        return due(self.step_count + self._shift, H, P)
 
     def _push(self, slot: FragmentSlot) -> None:
         if slot.pushed_at is not None:

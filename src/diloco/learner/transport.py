@@ -62,6 +62,9 @@ class Transport(Protocol):
     def stop_requested(self) -> bool: ...
     @property
     def budget_progress(self) -> float | None: ...
+    def take_phase_lead(self) -> float | None:
+        """The syncer's latest word on how far this learner's push schedule runs ahead of its peers' (negative:
+        behind), once: None until a new one arrives."""
     @property
     def wire_bytes(self) -> int: ...
     def close(self) -> None: ...
@@ -124,6 +127,7 @@ class LocalTransport:
         self.session = ""
         self._stop = False
         self._budget_progress: float | None = None
+        self._phase_lead: float | None = None
 
     def join(self, learner_id, specs, initial):
         self.learner_id = learner_id
@@ -158,6 +162,7 @@ class LocalTransport:
         with self.local.lock:
             self._stop = self.local.core.heartbeat(self.learner_id, self.session, **progress)
             self._budget_progress = self.local.core.budget_progress()
+            self._phase_lead = self.local.core.phase_lead(self.learner_id)
 
     @property
     def stop_requested(self) -> bool:
@@ -166,6 +171,10 @@ class LocalTransport:
     @property
     def budget_progress(self) -> float | None:
         return self._budget_progress
+
+    def take_phase_lead(self) -> float | None:
+        lead, self._phase_lead = self._phase_lead, None
+        return lead
 
     @property
     def wire_bytes(self) -> int:

@@ -362,6 +362,35 @@ class SyncerCore:
                         if (at := self._predicted_push(self.learners[i], index)) is not None}
         return decide(state, live, avg, now, self.policy, expected)
 
+    def _position(self, record: LearnerRecord, now: float) -> float | None:
+        """Where the learner is in the push schedule now, in steps modulo H: the offset of its last push plus the
+        steps since (DESIGN §3.2). None when unknown or when it has stopped pushing (hung, or left)."""
+        if record.last_push is None or not record.step_time.value:
+            return None
+        at, last = record.last_push
+        H, P = self.cfg.sync_every, self.cfg.fragments
+        steps = (now - at) / record.step_time.value
+        if steps > 2 * H / P + 1:
+            return None
+        return (offset(last, H, P) + steps) % H
+
+    def phase_lead(self, learner_id: str) -> float | None:
+        """Steps by which this learner's push schedule runs ahead of its live peers' (negative: behind), circular
+        over the period H: the median over peers of similar speed (within 1.5×), whose phases can stay
+        together; None when unknown. Learners that follow it push each fragment together, so rounds fill."""
+        record, now = self.learners.get(learner_id), self.clock()
+        mine = self._position(record, now) if record is not None else None
+        if mine is None:
+            return None
+        H, speed = self.cfg.sync_every, record.step_time.value
+        leads = []
+        for other in self.live() - {learner_id}:
+            peer = self.learners[other]
+            theirs = self._position(peer, now)
+            if theirs is not None and 1 / 1.5 <= peer.step_time.value / speed <= 1.5:
+                leads.append((mine - theirs + H / 2) % H - H / 2)
+        return statistics.median(leads) if leads else None
+
     def _predicted_push(self, record: LearnerRecord, fragment: int) -> float | None:
         """When `record`'s learner should next push `fragment`: from its last push, the schedule's offsets (DESIGN
         §3.2) and its step time."""

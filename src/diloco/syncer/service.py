@@ -187,9 +187,10 @@ class SyncerService(pb_grpc.SyncerServicer):
             stop = await self._core(self.core.heartbeat, request.learner_id, request.session, **progress)
         except Refused as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        lead = await self._core(self.core.phase_lead, request.learner_id)
         self.wake.set()
         return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=self.core.tokens_trained(),
-                                                 budget_progress=self.core.budget_progress()))
+                                                 budget_progress=self.core.budget_progress(), phase_lead=lead))
 
     async def Leave(self, request, context):
         self._count_in(request)

@@ -129,7 +129,8 @@ def run_learner(cfg: TrainConfig, transport: Transport, opts: WorkerOptions, cor
     busy = sorted(clock.busy) or [float("nan")]
     return {
         "id": opts.learner_id, "steps": learner.step_count, "tokens": learner.tokens, "pushes": learner.pushes,
-        "applied": learner.applied, "skipped": learner.skipped, "flushed": learner.flushed, "refused": learner.refused, "speed": opts.speed,
+        "applied": learner.applied, "skipped": learner.skipped, "flushed": learner.flushed, "refused": learner.refused,
+        "realigned": learner.realigned, "speed": opts.speed,
         "busy_seconds_median": busy[len(busy) // 2], "wall_seconds": time.time() - started,
         "wire_bytes": transport.wire_bytes,
     }

@@ -175,14 +175,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., loss: _Optional[float] = ..., data_position: _Optional[int] = ..., step_seconds: _Optional[float] = ..., pushes: _Optional[int] = ..., applied: _Optional[int] = ..., speed: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "tokens_trained", "budget_progress")
+    __slots__ = ("stop", "tokens_trained", "budget_progress", "phase_lead")
     STOP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     BUDGET_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_LEAD_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     tokens_trained: int
     budget_progress: float
-    def __init__(self, stop: _Optional[bool] = ..., tokens_trained: _Optional[int] = ..., budget_progress: _Optional[float] = ...) -> None: ...
+    phase_lead: float
+    def __init__(self, stop: _Optional[bool] = ..., tokens_trained: _Optional[int] = ..., budget_progress: _Optional[float] = ..., phase_lead: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "session")
