@@ -108,11 +108,12 @@ def test_round_waits_for_a_learner_whose_push_of_the_fragment_is_due_in_a_few_st
     clock.now = 101.0
     push(core, "a", sa, 2, fragment=1)
     assert core.poll() == [] and core.next_wakeup() == pytest.approx(102.5)
-    clock.now = 102.1
+    clock.now = 102.4  # late by less than the policy's half-step margin: still awaited
+    assert core.poll() == []
     push(core, "b", sb, 3, fragment=1)
     assert sorted(p.learner for p in core.poll()) == ["a", "b"]
     # fragment 0 (offset 0) is due for b 4 steps after its push of fragment 1 (offset 2): beyond 3, not awaited
-    clock.now = 102.5
+    clock.now = 102.8
     push(core, "a", sa, 4, fragment=0)
     assert [p.learner for p in core.poll()] == ["a"]
 

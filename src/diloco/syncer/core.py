@@ -359,7 +359,7 @@ class SyncerCore:
         expected = {}
         if self.policy.expect_steps:
             expected = {i: at for i in live - state.contributors
-                        if (at := self._predicted_push(self.learners[i], index)) is not None}
+                        if (at := self._predicted_push(self.learners[i], index, now)) is not None}
         return decide(state, live, avg, now, self.policy, expected)
 
     def _position(self, record: LearnerRecord, now: float) -> float | None:
@@ -391,15 +391,14 @@ class SyncerCore:
                 leads.append((mine - theirs + H / 2) % H - H / 2)
         return statistics.median(leads) if leads else None
 
-    def _predicted_push(self, record: LearnerRecord, fragment: int) -> float | None:
-        """When `record`'s learner should next push `fragment`: from its last push, the schedule's offsets (DESIGN
-        §3.2) and its step time."""
-        if record.last_push is None or not record.step_time.value:
+    def _predicted_push(self, record: LearnerRecord, fragment: int, now: float) -> float | None:
+        """When `record`'s learner should next push `fragment`, from its position in the schedule and step time.
+        A push up to a step overdue is still expected (the time is then in the past): pushes come a little late."""
+        position = self._position(record, now)
+        if position is None:
             return None
-        at, last = record.last_push
-        H, P = self.cfg.sync_every, self.cfg.fragments
-        steps = (offset(fragment, H, P) - offset(last, H, P)) % H or H
-        return at + steps * record.step_time.value
+        steps = (offset(fragment, self.cfg.sync_every, self.cfg.fragments) - position + 1) % self.cfg.sync_every - 1
+        return now + steps * record.step_time.value
 
     def _close(self, index: int, fs: FragmentState) -> list[Publication]:
         started = self.clock()
