@@ -169,7 +169,7 @@ class ScriptedTransport:
     def __init__(self, cfg):
         from diloco.learner.transport import JoinInfo
 
-        self.cfg, self.jobs, self.inbox, self.leads = cfg, [], [], []
+        self.cfg, self.jobs, self.inbox, self.lead = cfg, [], [], None
         self.JoinInfo = JoinInfo
         self.stop_requested, self.wire_bytes = False, 0
 
@@ -187,7 +187,8 @@ class ScriptedTransport:
         pass
 
     def take_phase_lead(self):
-        return self.leads.pop(0) if self.leads else None
+        lead, self.lead = self.lead, None
+        return lead
 
 
 def test_an_answer_to_an_earlier_push_is_never_applied():
@@ -208,7 +209,7 @@ def test_an_answer_to_an_earlier_push_is_never_applied():
     assert learner.applied == 1
 
 
-def test_a_learner_out_of_phase_shifts_its_push_schedule_one_step_at_a_time():
+def test_a_learner_out_of_phase_shifts_its_push_schedule_by_its_lead():
     cfg = for_mode("decoupled", 2, fragments=4, sync_every=4, overlap=0)
     assert cfg.align_pushes
     model = nn.ParameterDict({name: nn.Parameter(torch.zeros(1)) for name in "abcd"})
@@ -217,7 +218,7 @@ def test_a_learner_out_of_phase_shifts_its_push_schedule_one_step_at_a_time():
     pushed = []
 
     def step(lead=None):
-        transport.leads.append(lead)
+        transport.lead = lead
         before = len(transport.jobs)
         for slot in learner.slots:
             slot.pushed_at = None  # as if every result had come back
@@ -225,15 +226,21 @@ def test_a_learner_out_of_phase_shifts_its_push_schedule_one_step_at_a_time():
         pushed.append([j.fragment for j in transport.jobs[before:]])
 
     # offsets 0, 1, 2, 3: fragment p is due after steps with t ≡ p (mod 4)
-    step(), step(), step(-1.5)  # behind: step 3 pushes the next step's fragment 0 as well as its own 3
+    step(), step(), step(-1.2)  # a step behind: step 3 pushes the next step's fragment 0 as well as its own 3
     assert pushed == [[1], [2], [3, 0]] and learner.realigned == 1
-    step(-1.5)  # the syncer needs ALIGN_EVERY steps to see a correction: ignored until then
+    step(-1.2)  # the syncer needs ALIGN_EVERY steps to see a correction: ignored until then
     assert pushed[-1] == [1] and learner.realigned == 1
     step(), step(), step(0.5)  # less than a step off: no correction
     assert pushed[-3:] == [[2], [3], [0]]
-    step(2.0)  # ahead: nothing this step; fragment 1 goes one step later
+    step(2.2)  # two steps ahead: nothing for two steps; fragment 1 goes two steps later
+    step(), step()
+    assert pushed[-3:] == [[], [], [1]] and learner.realigned == 2
+    for _ in range(3):
+        step()
+    step(-2.6)  # three steps behind: the fragments of the next three positions go now as well
+    assert pushed[-4:] == [[2], [3], [0], [1, 2, 3, 0]] and learner.realigned == 3
     step()
-    assert pushed[-2:] == [[], [1]] and learner.realigned == 2
+    assert pushed[-1] == [1]
 
 
 def test_pushes_keep_the_plain_schedule_when_alignment_is_off():
@@ -242,6 +249,7 @@ def test_pushes_keep_the_plain_schedule_when_alignment_is_off():
     transport = ScriptedTransport(cfg)
     learner = Learner(model, transport, "a")
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
-    transport.leads = [-3.0] * 6
-    train_steps(model, opt, learner, [1.0] * 2)
+    for _ in range(2):
+        transport.lead = -3.0
+        train_steps(model, opt, learner, [1.0])
     assert [j.seq for j in transport.jobs] == [1] and learner.realigned == 0

@@ -37,8 +37,8 @@ class SyncConfig:
     wait for it: a later merged fragment is applied when it arrives."""
     align_pushes: bool = False
     """Keep each learner's push schedule in phase with its peers of similar speed: a learner the syncer reports
-    a step or more behind pushes the next step's fragment early as well, one ahead pushes one step later (at
-    most once every 4 steps). Equal-speed learners otherwise drift apart and fill rounds apart."""
+    k ≥ 1 steps behind pushes the next k steps' fragments early as well, one k ahead pushes nothing for k steps
+    (at most one correction every 4 steps). Equal-speed learners otherwise drift apart and fill rounds apart."""
     codec: str = "int4"
     """Codec of the outer gradients learners push: fp32, bf16, int8 or int4."""
     down_codec: str = "int8"

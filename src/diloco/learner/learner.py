@@ -72,6 +72,8 @@ class Learner:
         self._shift = 0
         """Steps this learner's push schedule runs ahead of its step count (phase alignment)."""
         self._aligned_at = -ALIGN_EVERY
+        self._hold = 0
+        """Steps left to stay at the same schedule position (catching up with peers that are behind)."""
         self._seq = 0
         self._last_step_at: float | None = None
         self._step_seconds: float | None = None
@@ -122,17 +124,24 @@ class Learner:
         """Fragments to push now: those due at this learner's position in the schedule (its step plus a shift that
         keeps it in phase with its peers, DESIGN §3.2)."""
         H, P = self.config.sync_every, self.config.fragments
+        if self._hold:  # still ahead of its peers: stay at the same position
+            self._hold -= 1
+            self._shift -= 1
+            return []
+        position = self.step_count + self._shift
         lead = self.transport.take_phase_lead() if self.config.align_pushes else None
-        if lead is not None and abs(lead) >= 1 and self.step_count - self._aligned_at >= ALIGN_EVERY:
-            self._aligned_at = self.step_count
-            self.realigned += 1
-            if lead > 0:  # ahead: stay at the last step's position, so this step's fragments go one step later
-                self._shift -= 1
-                return []
-            self._shift += 1  # behind: also push the next step's fragments now
-            position = self.step_count + self._shift
-            return due(position - 1, H, P) + due(position, H, P)
-        return due(self.step_count + self._shift, H, P)
+        if lead is None or abs(lead) < 1 or self.step_count - self._aligned_at < ALIGN_EVERY:
+            return due(position, H, P)
+        steps = round(abs(lead))
+        self.realigned += 1
+        if lead > 0:  # ahead: stay at the last step's position for `steps` steps; those fragments go later
+            self._hold, self._shift = steps - 1, self._shift - 1
+            self._aligned_at = self.step_count + steps - 1
+            return []
+        # behind: push the fragments of the next `steps` positions now as well
+        self._shift += steps
+        self._aligned_at = self.step_count
+        return [p for u in range(position, position + steps + 1) for p in due(u, H, P)]
 
     def _push(self, slot: FragmentSlot) -> None:
         if slot.pushed_at is not None:
