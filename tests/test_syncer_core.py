@@ -287,27 +287,35 @@ def test_contribution_from_a_long_disconnection_is_refused_with_resync():
     assert core.push("a", s, 2, 1, 0, 24, 2400, codec.encode(torch.zeros(n), "fp32")).accepted
 
 
-def test_phase_lead_compares_schedule_positions_with_peers_of_similar_speed():
+def test_phase_lead_is_measured_against_the_longest_running_peer_of_similar_speed():
     # H = 6, P = 3 (offsets 0, 2, 4): a learner's position is its last push's offset plus the steps since
     core, clock = make_core(learners=3)
-    sessions = {lid: core.join(lid, SPECS) for lid in "abc"}
+    sessions = {}
+    for lid in "abc":
+        sessions[lid] = core.join(lid, SPECS)
+        clock.now += 0.1
     for lid, seconds in (("a", 1.0), ("b", 1.0), ("c", 3.0)):
         core.heartbeat(lid, sessions[lid], step_seconds=seconds)
-    assert core.phase_lead("a") is None  # nobody has pushed yet
+    assert core.phase_lead("b") is None  # nobody has pushed yet
+    clock.now = 100.0
     push(core, "a", sessions["a"], 1, fragment=0)
     clock.now = 101.0
     push(core, "b", sessions["b"], 1, fragment=0)
-    push(core, "c", sessions["c"], 1, fragment=2)  # three times slower: never a peer
-    assert core.phase_lead("a") == pytest.approx(1.0) and core.phase_lead("b") == pytest.approx(-1.0)
-    assert core.phase_lead("c") is None
-    # circular over H: a at 5.5 and b at 0.5 (just past its wrap) means a is one step behind
+    push(core, "c", sessions["c"], 1, fragment=2)  # three times slower: nobody's peer, its own reference
+    assert core.phase_lead("a") is None  # a joined first: the reference, never moved
+    assert core.phase_lead("b") == pytest.approx(-1.0) and core.phase_lead("c") is None
+    # circular over H: b at 0.5 (just past its wrap) and a at 5.5 means b is one step ahead
     clock.now = 103.5
     push(core, "a", sessions["a"], 2, fragment=2)
     clock.now = 104.5
     push(core, "b", sessions["b"], 2, fragment=0)
     clock.now = 105.0
-    assert core.phase_lead("a") == pytest.approx(-1.0)
-    # a learner that stopped pushing (hung) has no known position
-    clock.now = 112.0
-    push(core, "b", sessions["b"], 3, fragment=1)
-    assert core.phase_lead("b") is None
+    assert core.phase_lead("b") == pytest.approx(1.0)
+    # a rejoins: b is now the longest-running, and a follows it
+    sessions["a"] = core.join("a", SPECS)
+    push(core, "a", sessions["a"], 1, fragment=1)
+    assert core.phase_lead("b") is None and core.phase_lead("a") == pytest.approx(2.0 - 0.5)
+    # a learner that stopped pushing (hung) is nobody's reference
+    clock.now = 110.0
+    push(core, "a", sessions["a"], 2, fragment=0)
+    assert core.phase_lead("a") is None

@@ -36,9 +36,10 @@ class SyncConfig:
     step time) within this many step times of the round's opening; 0 leaves only the grace window. Learners never
     wait for it: a later merged fragment is applied when it arrives."""
     align_pushes: bool = False
-    """Keep each learner's push schedule in phase with its peers of similar speed: a learner the syncer reports
-    k ≥ 1 steps behind pushes the next k steps' fragments early as well, one k ahead pushes nothing for k steps
-    (at most one correction every 4 steps). Equal-speed learners otherwise drift apart and fill rounds apart."""
+    """Keep each learner's push schedule in phase with the longest-running learner of similar speed: one the
+    syncer reports k ≥ 1 steps behind pushes the next k steps' fragments early as well, one k ahead pushes
+    nothing for k steps (at most one correction every 4 steps). Equal-speed learners otherwise drift apart and
+    fill rounds apart."""
     codec: str = "int4"
     """Codec of the outer gradients learners push: fp32, bf16, int8 or int4."""
     down_codec: str = "int8"

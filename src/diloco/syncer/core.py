@@ -176,7 +176,7 @@ class SyncerCore:
         if record is None:
             record = LearnerRecord(learner_id, session, now, now)
             self.learners[learner_id] = record
-        record.session, record.last_seen, record.left = session, now, False
+        record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
         record.held = {i: fs.theta.clone() for i, fs in enumerate(self.fragments)}
         return session
 
@@ -375,21 +375,23 @@ class SyncerCore:
         return (offset(last, H, P) + steps) % H
 
     def phase_lead(self, learner_id: str) -> float | None:
-        """Steps by which this learner's push schedule runs ahead of its live peers' (negative: behind), circular
-        over the period H: the median over peers of similar speed (within 1.5×), whose phases can stay
-        together; None when unknown. Learners that follow it push each fragment together, so rounds fill."""
+        """Steps by which this learner's push schedule runs ahead of its reference's (negative: behind), circular
+        over the period H; None when unknown or when it is the reference. The reference is the live learner of
+        similar speed (within 1.5×) whose session began first: it never moves, so a learner that rejoins at a
+        random phase moves to the others instead of pulling them apart. Learners that follow it push each
+        fragment together, so rounds fill."""
         record, now = self.learners.get(learner_id), self.clock()
         mine = self._position(record, now) if record is not None else None
         if mine is None:
             return None
-        H, speed = self.cfg.sync_every, record.step_time.value
-        leads = []
-        for other in self.live() - {learner_id}:
-            peer = self.learners[other]
-            theirs = self._position(peer, now)
-            if theirs is not None and 1 / 1.5 <= peer.step_time.value / speed <= 1.5:
-                leads.append((mine - theirs + H / 2) % H - H / 2)
-        return statistics.median(leads) if leads else None
+        peers = [self.learners[i] for i in self.live() | {learner_id}]
+        peers = [r for r in peers if self._position(r, now) is not None
+                 and 1 / 1.5 <= r.step_time.value / record.step_time.value <= 1.5]
+        reference = min(peers, key=lambda r: (r.joined_at, r.id))
+        if reference is record:
+            return None
+        H = self.cfg.sync_every
+        return (mine - self._position(reference, now) + H / 2) % H - H / 2
 
     def _predicted_push(self, record: LearnerRecord, fragment: int, now: float) -> float | None:
         """When `record`'s learner should next push `fragment`, from its position in the schedule and step time.

@@ -14,6 +14,7 @@ class LearnerRecord:
     id: str
     session: str
     joined_at: float
+    """When its current session began (its latest join)."""
     last_seen: float
     left: bool = False
     step: int = 0
