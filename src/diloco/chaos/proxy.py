@@ -216,8 +216,8 @@ class FaultProxy:
         while (item := await queue.get()) is not None:
             release, data = item
             await asyncio.sleep(max(0.0, release - loop.time()))
+            setattr(self, counter, getattr(self, counter) + len(data))  # before the write: a reader may see it at once
             writer.write(data)
-            setattr(self, counter, getattr(self, counter) + len(data))
             await writer.drain()
         if writer.can_write_eof():  # pass a half-close on; the other direction may still be sending
             writer.write_eof()
