@@ -26,8 +26,10 @@ def test_syncer_and_three_learners_one_slow_every_fragment_advances(tmp_path):
     assert slow["merged"] >= 1 and slow["tokens_merged"] > 0  # the slow learner's work reached the global model
     for learner in report["per_learner"]:
         assert learner["exit_code"] == 0 and learner["steps"] == 40
-        # 40 steps, H = 8, P = 4: each fragment is due 5 times; every due push is sent or skipped (one in flight)
-        assert learner["pushes"] - learner["flushed"] + learner["skipped"] == 20
+        # H = 8, P = 4: a push every second schedule position, each sent or skipped (one in flight); 40 steps
+        # pass 40 positions, give or take the shifts that keep a learner in phase with its peers
+        assert abs(learner["schedule_position"] - 40) <= 8
+        assert learner["pushes"] - learner["flushed"] + learner["skipped"] == learner["schedule_position"] // 2
     assert report["final_eval_loss"] < report["initial_eval_loss"]
     assert report["rounds"] == sum(syncer["versions"]) and report["wire_bytes"] > 0
     for name in ("report.json", "eval_loss.png", "model.safetensors", "sample.txt", "metrics/learner-2.jsonl"):

@@ -98,6 +98,12 @@ class Learner:
         Drive a learning-rate decay with it so that every learner decays together."""
         return self.transport.budget_progress
 
+    @property
+    def schedule_position(self) -> int:
+        """This learner's position in the push schedule: its step count plus the shifts that keep it in phase
+        with its peers. Every position up to it has been passed exactly once."""
+        return self.step_count + self._shift
+
     def step(self, tokens: int, loss: float | None = None, data_position: int | None = None) -> None:
         """Call after every inner optimizer step with the tokens that step consumed."""
         now = time.monotonic()
@@ -128,7 +134,7 @@ class Learner:
             self._hold -= 1
             self._shift -= 1
             return []
-        position = self.step_count + self._shift
+        position = self.schedule_position
         lead = self.transport.take_phase_lead() if self.config.align_pushes else None
         if lead is None or abs(lead) < 1 or self.step_count - self._aligned_at < ALIGN_EVERY:
             return due(position, H, P)

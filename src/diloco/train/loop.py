@@ -130,7 +130,7 @@ def run_learner(cfg: TrainConfig, transport: Transport, opts: WorkerOptions, cor
     return {
         "id": opts.learner_id, "steps": learner.step_count, "tokens": learner.tokens, "pushes": learner.pushes,
         "applied": learner.applied, "skipped": learner.skipped, "flushed": learner.flushed, "refused": learner.refused,
-        "realigned": learner.realigned, "speed": opts.speed,
+        "realigned": learner.realigned, "schedule_position": learner.schedule_position, "speed": opts.speed,
         "busy_seconds_median": busy[len(busy) // 2], "wall_seconds": time.time() - started,
         "wire_bytes": transport.wire_bytes,
     }
