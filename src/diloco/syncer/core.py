@@ -381,17 +381,19 @@ class SyncerCore:
         random phase moves to the others instead of pulling them apart. Learners that follow it push each
         fragment together, so rounds fill."""
         record, now = self.learners.get(learner_id), self.clock()
-        mine = self._position(record, now) if record is not None else None
-        if mine is None:
+        if record is None or self._position(record, now) is None:
             return None
-        peers = [self.learners[i] for i in self.live() | {learner_id}]
-        peers = [r for r in peers if self._position(r, now) is not None
-                 and 1 / 1.5 <= r.step_time.value / record.step_time.value <= 1.5]
-        reference = min(peers, key=lambda r: (r.joined_at, r.id))
-        if reference is record:
+        positions = {}  # of itself and its live peers of similar speed
+        for i in self.live() | {learner_id}:
+            peer = self.learners[i]
+            at = self._position(peer, now)
+            if at is not None and 1 / 1.5 <= peer.step_time.value / record.step_time.value <= 1.5:
+                positions[i] = at
+        reference = min(positions, key=lambda i: (self.learners[i].joined_at, i))
+        if reference == learner_id:
             return None
         H = self.cfg.sync_every
-        return (mine - self._position(reference, now) + H / 2) % H - H / 2
+        return (positions[learner_id] - positions[reference] + H / 2) % H - H / 2
 
     def _predicted_push(self, record: LearnerRecord, fragment: int, now: float) -> float | None:
         """When `record`'s learner should next push `fragment`, from its position in the schedule and step time.
