@@ -17,7 +17,7 @@ import grpc
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
-from diloco.learner.transport import Arrival, JoinInfo, PushJob, Receiver, SyncerError
+from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, Receiver, SyncerError
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import GRPC_OPTIONS, Assembler, blobs, push_chunks, specs_to_proto, wire_size
@@ -28,7 +28,7 @@ MAX_BACKOFF = 2.0  # seconds between retries at most: a returning syncer is noti
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-class GrpcTransport:
+class GrpcTransport(HeartbeatNews):
     """Connects a Learner to `diloco syncer` at `address` ("host:port")."""
 
     def __init__(self, address: str, token: str = "", connect_timeout: float = 30.0, rpc_timeout: float = 60.0,
@@ -49,8 +49,6 @@ class GrpcTransport:
         self._pushes: queue.Queue[PushJob | None] = queue.Queue()
         self._closing = threading.Event()
         self._stop_requested = False
-        self._budget_progress: float | None = None
-        self._phase_lead: float | None = None
         self._progress: dict = {}
         self._threads: list[threading.Thread] = []
         self._subscription = None
@@ -228,14 +226,6 @@ class GrpcTransport:
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested
-
-    @property
-    def budget_progress(self) -> float | None:
-        return self._budget_progress
-
-    def take_phase_lead(self) -> float | None:
-        lead, self._phase_lead = self._phase_lead, None
-        return lead
 
     @property
     def wire_bytes(self) -> int:

@@ -70,6 +70,21 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+class HeartbeatNews:
+    """What heartbeat replies tell a learner besides stop, kept alike by every transport."""
+
+    _budget_progress: float | None = None
+    _phase_lead: float | None = None
+
+    @property
+    def budget_progress(self) -> float | None:
+        return self._budget_progress
+
+    def take_phase_lead(self) -> float | None:
+        lead, self._phase_lead = self._phase_lead, None
+        return lead
+
+
 class Receiver:
     """Turns publications into full fragment values, keeping exactly what the syncer believes we hold."""
 
@@ -118,7 +133,7 @@ class LocalSyncer:
             self.deliver(self.core.poll())
 
 
-class LocalTransport:
+class LocalTransport(HeartbeatNews):
     """In-process transport: every call goes straight to the shared core; nothing is encoded twice."""
 
     def __init__(self, local: LocalSyncer):
@@ -126,8 +141,6 @@ class LocalTransport:
         self.learner_id = ""
         self.session = ""
         self._stop = False
-        self._budget_progress: float | None = None
-        self._phase_lead: float | None = None
 
     def join(self, learner_id, specs, initial):
         self.learner_id = learner_id
@@ -167,14 +180,6 @@ class LocalTransport:
     @property
     def stop_requested(self) -> bool:
         return self._stop
-
-    @property
-    def budget_progress(self) -> float | None:
-        return self._budget_progress
-
-    def take_phase_lead(self) -> float | None:
-        lead, self._phase_lead = self._phase_lead, None
-        return lead
 
     @property
     def wire_bytes(self) -> int:
