@@ -110,7 +110,6 @@ class SyncerCore:
         self.token_budget = token_budget
         self.duration = duration
         self.first_join_at: float | None = None
-        self.policy = cfg.policy()
         self.specs: list[TensorSpec] | None = None
         self.fragments: list[FragmentState] = []
         self.learners: dict[str, LearnerRecord] = {}
@@ -123,6 +122,11 @@ class SyncerCore:
         """(seconds since start, fragment, version, contributors) of every closed round."""
         self.refusals: dict[str, int] = {}
         self.stopping = False
+
+    @property
+    def policy(self):
+        """The round-closing policy's settings, always those of the current configuration."""
+        return self.cfg.policy()
 
     # ---- model --------------------------------------------------------------------------------------------
     @property
@@ -356,11 +360,11 @@ class SyncerCore:
 
     def _decide(self, index: int, fs: FragmentState, live: frozenset[str], avg: Averages, now: float):
         state = RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at)
-        expected = {}
-        if self.policy.expect_steps:
+        policy, expected = self.policy, {}
+        if policy.expect_steps:
             expected = {i: at for i in live - state.contributors
                         if (at := self._predicted_push(self.learners[i], index, now)) is not None}
-        return decide(state, live, avg, now, self.policy, expected)
+        return decide(state, live, avg, now, policy, expected)
 
     def _position(self, record: LearnerRecord, now: float) -> float | None:
         """Where the learner is in the push schedule now, in steps modulo H: the offset of its last push plus the

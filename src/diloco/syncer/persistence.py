@@ -55,7 +55,6 @@ def restore(core) -> bool:
     if stored_cfg != core.cfg:
         log.warning("resuming with the stored run configuration, not the one given on the command line")
         core.cfg = stored_cfg
-        core.policy = stored_cfg.policy()
     core.specs = [TensorSpec(n, tuple(shape), dtype, emb) for n, shape, dtype, emb in led["specs"]]
     core.fragments = []
     for i, fragment in enumerate(plan_fragments(core.specs, core.cfg.fragments)):
