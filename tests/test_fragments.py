@@ -3,7 +3,8 @@ import torch
 from torch import nn
 
 from diloco.fragments import (
-    TensorSpec, first_difference, gather, plan_fragments, scatter, signature, tensor_specs,
+    TensorSpec, clean_name, first_difference, fit_fragments, gather, max_fragments, plan_fragments, scatter, signature,
+    tensor_specs,
 )
 from diloco.schedule import due, offset
 
@@ -67,9 +68,56 @@ class Tiny(nn.Module):
         self.head.weight = self.emb.weight
 
 
-def test_tensor_specs_flags_tied_embedding_once():
+def test_tensor_specs_flags_tied_embedding_once_and_the_head_as_its_alias():
     s = tensor_specs(Tiny())
-    assert [(x.name, x.embedding) for x in s] == [("emb.weight", True), ("lin.weight", False), ("lin.bias", False)]
+    assert [(x.name, x.embedding, x.kind) for x in s] == [
+        ("emb.weight", True, "param"), ("lin.weight", False, "param"), ("lin.bias", False, "param"),
+        ("head.weight", False, "alias")]
+    assert s[-1].alias_of == "emb.weight"
+
+
+class Stateful(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(3, 4)
+        self.frozen.requires_grad_(False)
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)  # not in the state_dict: not ours
+
+
+def test_every_state_dict_entry_has_a_kind_and_buffers_and_frozen_tensors_get_fragments_of_their_own():
+    specs = tensor_specs(Stateful())
+    kinds = {s.name: s.kind for s in specs}
+    assert kinds == {"frozen.weight": "static", "frozen.bias": "static", "lin.weight": "param", "lin.bias": "param",
+                     "bn.weight": "param", "bn.bias": "param", "bn.running_mean": "buffer",
+                     "bn.running_var": "buffer", "bn.num_batches_tracked": "static"}
+    layout = plan_fragments(specs, 2)
+    assert [f.role for f in layout] == ["params", "params", "buffers", "static"]
+    assert [s.name for s in layout[2].specs] == ["bn.running_mean", "bn.running_var"]
+    assert {s.name for f in layout[:2] for s in f.specs} == {"lin.weight", "lin.bias", "bn.weight", "bn.bias"}
+    assert max_fragments(specs) == 4  # only trained tensors count
+
+
+def test_a_frozen_tensor_changes_the_signature():
+    a, b = Stateful(), Stateful()
+    b.lin.bias.requires_grad_(False)
+    assert signature(tensor_specs(a)) != signature(tensor_specs(b))
+    assert "(frozen)" in first_difference(tensor_specs(a), tensor_specs(b))
+
+
+def test_wrapped_models_have_the_bare_models_signature():
+    model = Stateful()
+    compiled = torch.compile(model)  # wraps without compiling until called
+    assert signature(tensor_specs(compiled)) == signature(tensor_specs(model))
+    assert clean_name("blocks.0._checkpoint_wrapped_module.attn.weight") == "blocks.0.attn.weight"
+    assert clean_name("_orig_mod.lin.weight") == "lin.weight"
+
+
+def test_too_many_fragments_are_lowered_to_the_most_the_model_allows(caplog):
+    specs = tensor_specs(Stateful())
+    assert fit_fragments(specs, 24) == 4 and "--fragments 4" in caplog.text
+    assert fit_fragments(specs, 3) == 3
 
 
 def test_signature_and_first_difference_name_the_tensor():

@@ -50,3 +50,16 @@ def test_dp_baseline_counts_ring_allreduce_bytes(tmp_path):
     assert report["wire_bytes"] == 2 * (2 * (2 - 1) / 2 * 4 * n) * 12
     assert report["final_eval_loss"] < report["initial_eval_loss"]
     assert report["goodput"] > 0.5 and report["uptime"] > 0.5
+
+
+def test_learners_of_two_ranks_each_train_as_torchrun_jobs(tmp_path):
+    report, out = diloco_run(tmp_path, "--learners", "2", "--ranks-per-learner", "2", "--steps", "16",
+                             "--fragments", "4", "--sync-every", "8", "--batch-size", "8")
+    per_step = 8 * 64  # the tiny model's sequences of 64 tokens, 8 per rank
+    for learner in report["per_learner"]:
+        assert learner["exit_code"] == 0 and learner["ranks"] == 2 and learner["steps"] == 16
+        assert learner["tokens"] == 16 * 2 * per_step  # both ranks' batches count
+        assert learner["applied"] >= 1
+    syncer = json.loads((out / "syncer" / "syncer.json").read_text())
+    assert min(syncer["versions"][:4]) >= 1
+    assert report["final_eval_loss"] < report["initial_eval_loss"]

@@ -168,7 +168,7 @@ def test_downlink_changes_keep_learner_and_syncer_in_step(down):
     core, _ = make_core(learners=1, grace=0.0, down_codec=down)
     s = core.join("a", SPECS)
     receiver = Receiver()
-    receiver.reset(core.snapshot_for_join("a"))
+    receiver.reset([(i, v, t.clone()) for i, v, t in core.snapshot_for_join("a")])  # the core updates its own copy in place
     g = torch.Generator().manual_seed(0)
     for seq in range(1, 8):
         n = core.fragments[1].fragment.numel

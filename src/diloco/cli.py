@@ -14,7 +14,8 @@ from diloco.config import MODES
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
-              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes")
+              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
+              "sync_buffers")
 
 
 class UserError(Exception):
@@ -47,6 +48,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
                    help="on apply keep the local progress made since the push (decoupled: on; others: overwrite)")
     g.add_argument("--align-pushes", action=argparse.BooleanOptionalAction, default=None,
                    help="keep learners' push schedules in phase with their peers' (decoupled: on)")
+    g.add_argument("--sync-buffers", action=argparse.BooleanOptionalAction, default=None,
+                   help="average floating-point buffers (BatchNorm statistics) every H steps (on); "
+                        "--no-sync-buffers keeps them local after join")
     g.add_argument("--no-delayed-momentum", dest="delayed_momentum", action="store_false", default=None,
                    help="advance outer momentum on every round, even partial ones")
     g.add_argument("--heartbeat-seconds", type=float, help=argparse.SUPPRESS)
@@ -82,6 +86,16 @@ def train_config(args):
     return cfg
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def address(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -103,7 +117,7 @@ def cmd_syncer(args) -> int:
     opts = ServerOptions(listen=args.listen, http=args.http, out=args.state, token=args.token,
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                         snapshot_tokens=args.snapshot_tokens)
+                         snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout)
     status = asyncio.run(serve(cfg, opts))
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
     return 0
@@ -128,7 +142,38 @@ def leave_on_signal():
     return stop
 
 
+def learner_device(choice: str, local_rank: int = 0):
+    """The torch device for `--device auto|cpu|cuda` (a torchrun rank takes the GPU of its local rank)."""
+    import torch
+
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES and "
+                        "the torch build: `python -c 'import torch; print(torch.cuda.is_available())'`), or use --device cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def island_group(device):
+    """Under torchrun (WORLD_SIZE > 1) this process is one rank of a learner: join the job's process group."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.group.WORLD
+
+
 def cmd_learner(args) -> int:
+    import os
+
     import torch
 
     from diloco.learner.grpc_transport import GrpcTransport
@@ -136,11 +181,23 @@ def cmd_learner(args) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = train_config(args)
+    device = learner_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    group = island_group(device)
+    leader = group is None or int(os.environ.get("RANK", "0")) == 0
     opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.max_steps, args.metrics,
                          stop=leave_on_signal())
     transport = GrpcTransport(args.syncer, token=args.token or "", connect_timeout=args.connect_timeout,
-                              tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    summary = run_learner(cfg, transport, opts)
+                              stall_timeout=args.stall_timeout, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                              tls_key=args.tls_key) if leader else None
+    try:
+        summary = run_learner(cfg, transport, opts, device=device, process_group=group)
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if not leader:
+        return 0
     print(f"learner {summary['id']}: {summary['steps']} steps, {summary['tokens']} tokens, "
           f"{summary['pushes']} pushes, {summary['applied']} fragments applied")
     if args.summary:
@@ -178,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, help="stop the run this many seconds after the first join")
     p.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between model snapshots in --state")
     p.add_argument("--snapshot-tokens", type=int, default=0, help="trained tokens between model snapshots in --state")
+    p.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
+                   help="seconds the learner uploading the initial model may send nothing before another takes over (60)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
@@ -185,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sync_options(p, modes=("decoupled", "streaming", "diloco"))
     p.set_defaults(func=cmd_syncer)
 
-    p = sub.add_parser("learner", help="run one learner of the built-in trainer", description="Train as one learner.")
+    p = sub.add_parser("learner", help="run one learner of the built-in trainer",
+                       description="Train as one learner. Under torchrun (`torchrun --nproc-per-node N -m diloco learner "
+                                   "...`) the N ranks form one learner: DDP inside it, rank 0 talks to the syncer.")
     p.add_argument("--syncer", type=address, required=True, help="HOST:PORT of the syncer")
     p.add_argument("--id", required=True, help="stable learner name; re-joining under it resumes its data")
     p.add_argument("--token", help="the syncer's shared secret")
@@ -196,7 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", type=Path, help="append per-step JSON lines to this file")
     p.add_argument("--summary", type=Path, help="write this learner's summary JSON here at the end")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several learners share a machine)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model trains: auto (CUDA when visible, else CPU), cpu or cuda; under torchrun each "
+                        "rank takes the GPU of its LOCAL_RANK")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep retrying an unreachable syncer")
+    p.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
+                   help="abort a transfer (join, initial upload, push) when no bytes moved for this long (60); "
+                        "transfers have no fixed deadline, so big models on slow links get through")
     p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     p.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this PEM CA certificate")
     p.add_argument("--tls-cert", type=Path, help="client certificate for a syncer that requires one (with --tls-key)")

@@ -64,6 +64,11 @@ class SyncConfig:
     keep_overlap: bool = False
     """On apply, keep the local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding
     those τ steps (overwrite). Their steps and tokens then count toward the next push."""
+    sync_buffers: bool = True
+    """Average floating-point buffers (e.g. BatchNorm running statistics) across learners: each learner sends them
+    with its push of fragment 0 (every H steps) and the syncer sets them to the token-weighted mean of what arrived.
+    False keeps them local after join. Frozen parameters and integer buffers are set from the global model on
+    join and never merged either way."""
     staleness_decay: float = 0.0
     """λ: a contribution's weight is divided by (1 + λ·staleness)."""
     max_staleness: int = 16

@@ -3,10 +3,15 @@
 Threads: `sender` encodes and pushes outer gradients in order; `receiver` holds the Subscribe stream and
 reassembles merged fragments; `heartbeat` reports progress and learns when the run is over. The training thread
 only enqueues pushes and drains arrivals.
+
+Transfers (Join, Init, Push) have no fixed deadline: a big model on a slow link may take as long as it needs. A
+transfer is cancelled only when nothing moved for `stall_timeout` seconds, and the error then says how far it got.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -26,19 +31,84 @@ from diloco.wire.tls import channel_credentials
 log = logging.getLogger("diloco.learner")
 MAX_BACKOFF = 2.0  # seconds between retries at most: a returning syncer is noticed within about that
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+SLOW = "the link is too slow or down (raise stall_timeout / --stall-timeout)"
+
+
+def _mb(done: int, total: int = 0) -> str:
+    return f"{done / 1e6:.1f} of {total / 1e6:.1f} MB" if total else f"{done / 1e6:.1f} MB"
+
+
+class Stalled(Exception):
+    """A transfer in which nothing moved for its stall timeout; it was cancelled."""
+
+    def __init__(self, progress: "Progress"):
+        super().__init__(f"nothing moved for {progress.stall:.0f} s after {progress.describe()}")
+        self.progress = progress
+
+
+class Progress:
+    """How far one transfer got and when it last moved, in whole gRPC messages (2 MiB chunks at most)."""
+
+    def __init__(self, stall: float, total: int = 0):
+        self.stall = stall
+        self.total = total
+        """Payload bytes the transfer carries, when known (for messages)."""
+        self.done = 0
+        self.last = time.monotonic()
+        self.stalled = False
+
+    def moved(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.last = time.monotonic()
+
+    def idle(self) -> float:
+        return time.monotonic() - self.last
+
+    def describe(self) -> str:
+        return _mb(self.done, self.total)
+
+    @contextlib.contextmanager
+    def watching(self, call):
+        """Cancels `call` from a watchdog thread once nothing moved for `stall` seconds; the call's error then
+        becomes Stalled."""
+        finished = threading.Event()
+
+        def watch() -> None:
+            while not finished.wait(min(1.0, self.stall / 4)):
+                if self.idle() > self.stall:
+                    self.stalled = True
+                    call.cancel()
+                    return
+
+        threading.Thread(target=watch, name="learner-stall-watchdog", daemon=True).start()
+        try:
+            yield
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            if self.stalled:
+                raise Stalled(self) from None
+            raise
+        finally:
+            finished.set()
 
 
 class GrpcTransport(HeartbeatNews):
     """Connects a Learner to `diloco syncer` at `address` ("host:port")."""
 
-    def __init__(self, address: str, token: str = "", connect_timeout: float = 30.0, rpc_timeout: float = 60.0,
-                 tls: bool = False, tls_ca=None, tls_cert=None, tls_key=None):
-        """`tls` (or any tls_* file) connects with TLS, trusting `tls_ca` or the system's roots; `tls_cert` and
+    def __init__(self, address: str, token: str = "", connect_timeout: float = 30.0, rpc_timeout: float = 5.0,
+                 tls: bool = False, tls_ca=None, tls_cert=None, tls_key=None, stall_timeout: float = 60.0):
+        """`connect_timeout`: how long to keep trying to reach the syncer on join (waiting while another learner
+        uploads the initial model does not count, as long as the syncer answers). `stall_timeout`: a join, upload or
+        push is given up only after nothing moved for this long — there is no limit on a transfer's total time.
+        `rpc_timeout`: deadline of the small calls at shutdown (the last heartbeat, Leave).
+        `tls` (or any tls_* file) connects with TLS, trusting `tls_ca` or the system's roots; `tls_cert` and
         `tls_key` present a client certificate to a syncer that requires one."""
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
         self.address = address
         self.token = token
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
+        self.stall_timeout = stall_timeout
         self.tls = bool(tls or tls_ca or tls_cert or tls_key)
         self.channel = (grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key), options=GRPC_OPTIONS)
                         if self.tls else grpc.insecure_channel(address, options=GRPC_OPTIONS))
@@ -46,8 +116,17 @@ class GrpcTransport(HeartbeatNews):
         self.receiver = Receiver()
         self.error: SyncerError | None = None
         self.bytes_sent = self.bytes_received = 0
-        self._pushes: queue.Queue[PushJob | None] = queue.Queue()
+        self._pushes: queue.Queue[tuple[int, PushJob] | None] = queue.Queue()
+        self._tickets = itertools.count()
+        self._undelivered: dict[int, PushJob] = {}
+        """Pushes queued or being sent, by ticket: removed once the syncer answered (accepted, refused, duplicate)."""
+        self._push_progress: Progress | None = None
+        """The push being sent now."""
+        self._answered_at = time.monotonic()
+        """When the syncer last answered a push."""
+        self._push_call = None
         self._closing = threading.Event()
+        self._closed = False
         self._stop_requested = False
         self._progress: dict = {}
         self._threads: list[threading.Thread] = []
@@ -59,25 +138,38 @@ class GrpcTransport(HeartbeatNews):
     # ---- joining ------------------------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], initial) -> JoinInfo:
         self.learner_id = learner_id
-        deadline, delay, attempts = time.monotonic() + self.connect_timeout, 0.2, 0
+        request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(specs), token=self.token)
+        started = time.monotonic()
+        deadline, delay, attempts = started + self.connect_timeout, 0.2, 0
+        self._answered = False
         while True:
             attempts += 1
             try:
-                info = self._join_once(learner_id, specs, initial)
-                break
+                reply = self._join_once(request)
             except grpc.RpcError as e:
-                if e.code() not in RETRYABLE:
+                code = e.code()
+                if code == grpc.StatusCode.ABORTED:  # our upload of the initial model was taken over: join again
+                    log.info("%s", e.details())
+                    deadline = time.monotonic() + self.connect_timeout
+                elif code not in RETRYABLE and code != grpc.StatusCode.ALREADY_EXISTS:
                     raise SyncerError(f"syncer at {self.address} refused learner {learner_id!r}: {e.details()}") from None
-                if time.monotonic() + delay > deadline:
-                    raise SyncerError(
-                        f"cannot reach the syncer at {self.address} after {attempts} attempts over "
-                        f"{self.connect_timeout:.0f}s ({e.details()}); start it with `diloco syncer --listen {self.address}` "
-                        f"or check the address, port and firewall"
-                        + ("" if self.tls else "; if the syncer uses TLS, pass --tls-ca")
-                    ) from None
-                log.info("syncer at %s not reachable yet (%s); retrying in %.1fs", self.address, e.code().name, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, MAX_BACKOFF)
+                elif time.monotonic() + delay > deadline:
+                    raise self._join_failed(e, attempts, time.monotonic() - started) from None
+                else:  # unreachable, or ALREADY_EXISTS: the old session under this id may be ending (a crash)
+                    log.info("cannot join the syncer at %s yet (%s: %s); retrying in %.1fs", self.address, code.name,
+                             e.details(), delay)
+            else:
+                if isinstance(reply, JoinInfo):
+                    info = reply
+                    break
+                if reply.need_init:
+                    self._initialise(request, initial(reply.fragments))
+                    continue  # join again, now to receive the model
+                # another learner uploads the initial model: the syncer answers, so this wait is not a timeout
+                deadline = time.monotonic() + self.connect_timeout
+                log.info("waiting for learner %s to upload the initial model", reply.init_owner)
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF)
         self.config, self.session = info.config, info.session
         self.receiver.reset(info.fragments)
         for name, target in (("sender", self._send_loop), ("receiver", self._receive_loop), ("heartbeat", self._heartbeat_loop)):
@@ -86,65 +178,145 @@ class GrpcTransport(HeartbeatNews):
             self._threads.append(thread)
         return info
 
-    def _join_once(self, learner_id, specs, initial) -> JoinInfo:
-        request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(specs), token=self.token)
+    def _join_failed(self, e: grpc.RpcError, attempts: int, seconds: float) -> SyncerError:
+        """The error once connect_timeout is spent, for what the last attempt said."""
+        if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+            return SyncerError(f"syncer at {self.address} refused learner {self.learner_id!r}: {e.details()}")
+        if self._answered:  # the syncer is there: the connection keeps breaking
+            return SyncerError(
+                f"lost the connection to the syncer at {self.address} while joining ({attempts} attempts over "
+                f"{seconds:.0f}s, last: {e.details()}); the link is unreliable or down — check the network, or raise "
+                f"connect_timeout / --connect-timeout")
+        return SyncerError(
+            f"cannot reach the syncer at {self.address} after {attempts} attempts over "
+            f"{self.connect_timeout:.0f}s ({e.details()}); start it with `diloco syncer --listen {self.address}` "
+            f"or check the address, port and firewall"
+            + ("" if self.tls else "; if the syncer uses TLS, pass --tls-ca"))
+
+    def _join_once(self, request: pb.JoinRequest) -> JoinInfo | pb.JoinHeader:
+        """One Join from scratch: the model (JoinInfo), or the header alone when the syncer has no model yet."""
         self.bytes_sent += wire_size(request)
+        progress = Progress(self.stall_timeout)
         header, assembler, fragments = None, Assembler(), []
-        for reply in self.stub.Join(request, timeout=self.rpc_timeout):
-            self.bytes_received += wire_size(reply)
-            if reply.HasField("header"):
-                header = reply.header
-                if header.need_init:
-                    self._initialise(request, initial(header.fragments))
-                    return self._join_once(learner_id, specs, initial)
-            else:
-                done = assembler.add(reply.blob)
-                if done is not None:
-                    fragments.append((done.fragment, done.version, codec.decode(done.payload)))
+        call = self.stub.Join(request)  # no deadline: the watchdog ends it only if it stalls
+        try:
+            with progress.watching(call):
+                for reply in call:
+                    self.bytes_received += wire_size(reply)
+                    if reply.HasField("header"):
+                        header, self._answered = reply.header, True
+                        progress.total = header.total_bytes
+                        progress.moved(0)
+                        if header.need_init or header.init_wait:
+                            call.cancel()
+                            return header
+                    else:
+                        progress.moved(len(reply.blob.data))
+                        done = assembler.add(reply.blob)
+                        if done is not None:
+                            fragments.append((done.fragment, done.version, codec.decode(done.payload)))
+        except Stalled:
+            got = progress.describe() if header is not None else "nothing (not even the reply header)"
+            raise SyncerError(f"join stalled: no data from the syncer at {self.address} for {self.stall_timeout:.0f} s "
+                              f"after {got}; {SLOW}") from None
         if header is None or len(fragments) != header.fragments:
             raise SyncerError(f"incomplete join reply from {self.address}: got {len(fragments)} fragments")
         fragments.sort(key=lambda f: f[0])
         return JoinInfo(SyncConfig.from_json(header.config_json), header.session, fragments, header.data_position)
 
+    def _metered(self, messages, progress: Progress, payload_bytes):
+        """Yields `messages` as gRPC takes them to send: bytes and progress count then, not when they are built."""
+        for message in messages:
+            self.bytes_sent += wire_size(message)
+            progress.moved(payload_bytes(message))
+            yield message
+
     def _initialise(self, request: pb.JoinRequest, flats) -> None:
-        def chunks():
+        """Upload this learner's parameters as the initial global model (the syncer gave us the lease)."""
+        def chunks():  # lazily: one fragment's encoding at a time, never a second copy of the whole model
             yield pb.InitChunk(request=request)
             for i, flat in enumerate(flats):
                 for blob in blobs(i, 0, codec.encode(flat, "fp32")):
                     yield pb.InitChunk(blob=blob)
 
-        messages = list(chunks())
-        self.bytes_sent += sum(map(wire_size, messages))
-        self.stub.Init(iter(messages), timeout=self.rpc_timeout)
+        progress = Progress(self.stall_timeout, sum(codec.encoded_size(f.numel(), "fp32") for f in flats))
+        log.info("uploading the initial model (%s) to the syncer at %s", _mb(progress.total), self.address)
+        call = self.stub.Init.future(self._metered(chunks(), progress, lambda m: len(m.blob.data)))
+        try:
+            with progress.watching(call):
+                call.result()
+        except Stalled:
+            raise SyncerError(f"init stalled: nothing moved to or from the syncer at {self.address} for "
+                              f"{self.stall_timeout:.0f} s after {progress.describe()} of the initial model; {SLOW}") from None
 
     # ---- background threads -------------------------------------------------------------------------------
+    def _enqueue(self, job: PushJob) -> None:
+        ticket = next(self._tickets)
+        self._undelivered[ticket] = job
+        self._pushes.put((ticket, job))
+
     def _send_loop(self) -> None:
+        try:
+            self._send_all()
+        except Exception as e:  # a bug, not the network: say so rather than leave pushes queued silently
+            log.exception("the push sender stopped")
+            self._fail(f"the push sender stopped: {e!r}")
+
+    def _send_all(self) -> None:
         while True:
-            job = self._pushes.get()
-            if job is None:
+            item = self._pushes.get()
+            if item is None or self._closing.is_set():
                 return
+            ticket, job = item
             payload = (self._ef.encode(job.fragment, job.delta, self.config.codec) if self.config.error_feedback
                        else codec.encode(job.delta, self.config.codec))
-            header = pb.PushHeader(learner_id=self.learner_id, session=self.session, seq=job.seq, fragment=job.fragment,
-                                   base_version=job.base_version, steps=job.steps, tokens=job.tokens,
-                                   data_position=job.data_position)
-            messages = list(push_chunks(header, payload))
-            delay = 0.2
-            while True:  # the same seq on every retry: the syncer merges a push at most once
-                try:
-                    reply = self.stub.Push(iter(messages), timeout=self.rpc_timeout)
-                    self.bytes_sent += sum(map(wire_size, messages))
-                    self.bytes_received += wire_size(reply)
-                    break
-                except grpc.RpcError as e:
-                    if e.code() not in RETRYABLE or self._closing.is_set():
-                        self._fail(f"push of fragment {job.fragment} failed: {e.details()}")
-                        return
-                    time.sleep(delay)
-                    delay = min(delay * 2, MAX_BACKOFF)
+            reply = self._deliver(job, payload)
+            if reply is None:  # failed for good, or shutting down: the push stays undelivered
+                return
+            del self._undelivered[ticket]
             self._stop_requested |= reply.stop
             if not reply.accepted:
                 log.warning("syncer refused fragment %d: %s", job.fragment, reply.reason)
+
+    def _deliver(self, job: PushJob, payload: codec.Encoded) -> pb.PushReply | None:
+        """Push until the syncer answers, with the same seq on every retry (the syncer merges a push at most once);
+        None when it failed for good or the transport is closing."""
+        delay = 0.2
+        while not self._closing.is_set():
+            try:
+                return self._push_once(job, payload)
+            except Stalled as e:
+                log.warning("push of fragment %d stalled: %s; %s; retrying", job.fragment, e, SLOW)
+            except grpc.FutureCancelledError:  # cancelled by close()
+                return None
+            except grpc.RpcError as e:
+                if self._closing.is_set():
+                    return None
+                if e.code() not in RETRYABLE:
+                    self._fail(f"push of fragment {job.fragment} failed: {e.details()}")
+                    return None
+            except ValueError:  # the channel was closed under us: only a shutdown does that
+                if self._closing.is_set():
+                    return None
+                raise
+            self._closing.wait(delay)
+            delay = min(delay * 2, MAX_BACKOFF)
+        return None
+
+    def _push_once(self, job: PushJob, payload: codec.Encoded) -> pb.PushReply:
+        header = pb.PushHeader(learner_id=self.learner_id, session=self.session, seq=job.seq, fragment=job.fragment,
+                               base_version=job.base_version, steps=job.steps, tokens=job.tokens,
+                               data_position=job.data_position)
+        progress = self._push_progress = Progress(self.stall_timeout, len(payload.data))
+        call = self._push_call = self.stub.Push.future(
+            self._metered(push_chunks(header, payload), progress, lambda m: len(m.data)))
+        if self._closing.is_set():  # close() may have looked for a call to cancel just before this one began
+            call.cancel()
+        with progress.watching(call):
+            reply = call.result()
+        self.bytes_received += wire_size(reply)
+        self._answered_at = time.monotonic()
+        return reply
 
     def _receive_loop(self) -> None:
         delay, broken = 0.2, False
@@ -154,8 +326,7 @@ class GrpcTransport(HeartbeatNews):
                 self._subscription = self.stub.Subscribe(pb.SubscribeRequest(learner_id=self.learner_id, session=self.session))
                 if broken:  # the syncer may have restarted and lost pushes it had not merged yet
                     broken = False
-                    for job in list(self._inflight.values()):
-                        self._pushes.put(job)
+                    self._resend_inflight()
                 for blob in self._subscription:
                     self.bytes_received += wire_size(blob)
                     done = assembler.add(blob)
@@ -181,6 +352,14 @@ class GrpcTransport(HeartbeatNews):
                 log.warning("damaged fragment from syncer (%s); resubscribing", e)
             time.sleep(delay)
             delay = min(delay * 2, MAX_BACKOFF)
+
+    def _resend_inflight(self) -> None:
+        """Queue again the pushes whose merged result has not arrived, unless still queued: one copy each, however
+        often the update stream reconnects during an outage."""
+        queued = {(job.fragment, job.seq) for job in self._undelivered.copy().values()}
+        for job in list(self._inflight.values()):
+            if (job.fragment, job.seq) not in queued:
+                self._enqueue(job)
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self.config.heartbeat_seconds):
@@ -214,7 +393,7 @@ class GrpcTransport(HeartbeatNews):
     def push(self, job: PushJob) -> None:
         self._check()
         self._inflight[job.fragment] = job
-        self._pushes.put(job)
+        self._enqueue(job)
 
     def arrivals(self, timeout: float | None = None) -> list[Arrival]:
         self._check()
@@ -231,23 +410,72 @@ class GrpcTransport(HeartbeatNews):
     def wire_bytes(self) -> int:
         return self.bytes_sent + self.bytes_received
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Send what is queued, say goodbye, and stop the threads."""
+    @property
+    def undelivered(self) -> int:
+        """Pushes queued or being sent: not yet answered by the syncer."""
+        return len(self._undelivered)
+
+    def close(self, timeout: float | None = 300.0) -> None:
+        """Deliver every queued push (each answered by the syncer: accepted, refused or duplicate), say goodbye and
+        stop the threads. Waits at most `timeout` seconds, or with None as long as pushes keep moving (at most
+        stall_timeout without progress). Pushes still undelivered then make it raise SyncerError, after shutting
+        down all the same. Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        lost = self._await_delivery(timeout)
+        self._shutdown()
+        if not lost:
+            return
+        pushes = f"{len(lost)} push{'es' if len(lost) > 1 else ''} not delivered"
+        fragments = [job.fragment for job in lost]
+        if self.error is not None:
+            raise SyncerError(f"finish: {pushes} (fragments {fragments}): {self.error}")
+        within = f"within {timeout:.0f} s" if timeout is not None else f"(nothing moved for {self.stall_timeout:.0f} s)"
+        raise SyncerError(
+            f"finish: {pushes} {within} (fragments {fragments}); the syncer is unreachable "
+            f"or the link is too slow — their progress is not in the global model; check the syncer and the link, "
+            f"or allow more time (close(timeout=...); None waits as long as pushes make progress)")
+
+    def _await_delivery(self, timeout: float | None) -> list[PushJob]:
+        """Waits until the syncer answered every queued push; returns those it did not (in push order)."""
+        started = time.monotonic()
+        sender = self._threads[0] if self._threads else None
+        while self._undelivered and sender is not None and sender.is_alive():
+            now = time.monotonic()
+            if timeout is not None and now - started >= timeout:
+                break
+            if timeout is None and now - self._last_push_movement(started) > self.stall_timeout:
+                break
+            time.sleep(0.05)
+        return sorted(self._undelivered.copy().values(), key=lambda job: job.seq)
+
+    def _last_push_movement(self, floor: float) -> float:
+        current = self._push_progress
+        return max(floor, self._answered_at, current.last if current is not None else floor)
+
+    def _shutdown(self) -> None:
+        self._closing.set()  # stops the sender's retries and the heartbeats
+        call = self._push_call
+        if call is not None:
+            call.cancel()
         self._pushes.put(None)
-        if self._threads:
-            self._threads[0].join(timeout)
-        if self._progress:  # a last heartbeat so the ledger has the final counts
-            try:
-                self.stub.Heartbeat(pb.HeartbeatRequest(learner_id=self.learner_id, session=self.session, **self._progress), timeout=5)
-            except grpc.RpcError:
-                pass
-        self._closing.set()
-        try:
-            self.stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, session=getattr(self, "session", "")), timeout=5)
-        except grpc.RpcError:
-            pass
+        if self._threads:  # joined: a last heartbeat so the ledger has the final counts, then leave
+            self._threads[0].join(5)
+            self._goodbye()
         if self._subscription is not None:
             self._subscription.cancel()
         for thread in self._threads[1:]:
             thread.join(5)
         self.channel.close()
+
+    def _goodbye(self) -> None:
+        calls = [(self.stub.Leave, pb.LeaveRequest(learner_id=self.learner_id, session=self.session))]
+        if self._progress:
+            calls.insert(0, (self.stub.Heartbeat, pb.HeartbeatRequest(learner_id=self.learner_id, session=self.session,
+                                                                      **self._progress)))
+        for call, request in calls:
+            try:
+                call(request, timeout=self.rpc_timeout)
+            except grpc.RpcError:
+                pass

@@ -1,12 +1,15 @@
 """The Learner: wraps a user's model and inner optimizer and does everything DiLoCo needs between steps.
 
 The user's loop stays as it is and calls `learner.step(tokens)` after each optimizer step. On the training
-thread this only copies fragments to and from CPU buffers; encoding, sending and receiving run in the
-transport's background threads (DESIGN §3.3, §4).
+thread this only snapshots fragments (a device copy on CUDA) and writes merged values back; Δ, encoding, sending
+and receiving run in the transport's background threads (DESIGN §3.3, §4). A learner may be a torch.distributed
+job of several ranks (`process_group=`): its leader talks to the syncer and the other ranks follow (island.py).
 """
 
 from __future__ import annotations
 
+import logging
+import operator
 import time
 from dataclasses import dataclass
 
@@ -14,9 +17,15 @@ import torch
 from torch import nn
 
 from diloco.config import SyncConfig
-from diloco.fragments import Fragment, gather, plan_fragments, scatter, tensor_specs
+from diloco.fragments import Fragment, fit_fragments, full, named_state, plan_fragments, scatter, tensor_specs
+from diloco.learner.island import Island
+from diloco.learner.staging import Snapshot, snapshot, to_device
 from diloco.learner.transport import Arrival, PushJob, SyncerError, Transport
 from diloco.schedule import due
+
+log = logging.getLogger("diloco.learner")
+RESULT_WAIT = 30.0
+"""Seconds `finish` waits for merged results still out before pushing what is left (bounded by its timeout)."""
 
 ALIGN_EVERY = 4
 """Least number of steps between two phase corrections: time for the syncer to see the last one."""
@@ -37,37 +46,75 @@ class FragmentSlot:
     """Sequence number of that push: only the answer to it is applied."""
     ready: Arrival | None = None
     """A merged result that arrived and waits for its apply step."""
-    pushed: tuple[torch.Tensor, int, int] | None = None
+    pushed: tuple[Snapshot, int, int] | None = None
     """(local values, steps, tokens) at the push, for keeping the overlapped progress on apply."""
+
+
+def _refuse_lone_rank(model: nn.Module) -> None:
+    """A DDP model on several ranks with a Learner on one of them would train while its ranks drift apart."""
+    group = getattr(model, "process_group", None)
+    if isinstance(model, nn.parallel.DistributedDataParallel) and group is not None:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size(group)
+        if ranks > 1:
+            raise ValueError(f"this model is DistributedDataParallel over {ranks} ranks: create the Learner on every "
+                             f"rank with process_group=... (the DDP group), or the ranks would drift apart")
+
+
+class InitialValues:
+    """This learner's values as the initial global model, fragment by fragment: each flat fp32 copy is made when it
+    is read and dropped after, so uploading a big model never holds a second copy of it."""
+
+    def __init__(self, layout: list[Fragment], state: dict[str, torch.Tensor]):
+        self.layout, self.state = layout, state
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __iter__(self):
+        for f in self.layout:
+            yield torch.cat([self.state[s.name].detach().reshape(-1).to("cpu", torch.float32) for s in f.specs])
 
 
 class Learner:
     """One learner of a run.
 
     Args:
-        model: the replica to train; its parameters are replaced by the global model on join.
-        transport: how to reach the syncer (`GrpcTransport("host:port")` or an in-process one).
+        model: the replica to train (bare, or wrapped in DDP / FSDP2 / torch.compile); its whole state is replaced
+            by the global model on join.
+        transport: how to reach the syncer (`GrpcTransport("host:port")` or an in-process one). In an island only
+            the leader's is used; other ranks may pass None.
         learner_id: a stable name; re-joining under the same id resumes this learner's ledger.
         embedding_names: parameter names to merge as embeddings (default: every nn.Embedding weight).
         speed: the speed factor reported to the syncer (only informational).
+        process_group: for a learner made of several torch.distributed ranks (torchrun; DDP or FSDP2): every rank
+            creates its Learner with the same group and calls `step` and `finish` in step; rank 0 of the group talks
+            to the syncer.
     """
 
-    def __init__(self, model: nn.Module, transport: Transport, learner_id: str, *,
-                 embedding_names: set[str] | None = None, speed: float | None = None):
+    def __init__(self, model: nn.Module, transport: Transport | None, learner_id: str, *,
+                 embedding_names: set[str] | None = None, speed: float | None = None, process_group=None):
         self.model = model
         self.transport = transport
         self.learner_id = learner_id
-        self.params = dict(model.named_parameters())
-        specs = tensor_specs(model, embedding_names)
-        self.info = transport.join(learner_id, specs, self._initial_fragments(specs))
-        self.config: SyncConfig = self.info.config
-        self.layout = plan_fragments(specs, self.config.fragments)
-        self.slots = [FragmentSlot(self.layout[i], values.clone(), version) for i, version, values in self.info.fragments]
-        for slot in self.slots:
-            scatter(slot.base, self.params, slot.fragment)
+        self.speed = speed
+        self.island = Island(process_group) if process_group is not None else None
+        self.leader = self.island is None or self.island.leader
+        if self.leader and transport is None:
+            raise ValueError("the learner (or, in a process group, its rank 0) needs a transport to reach the syncer")
+        if self.island is None:
+            _refuse_lone_rank(model)
+        self.specs = tensor_specs(model, embedding_names)
+        state = self._state()
+        floats = [t for t in state.values() if t.is_floating_point()]
+        self.device = floats[0].device if floats else torch.device("cpu")
+        self.sharded = any(hasattr(t, "device_mesh") for t in state.values())
+        if self.sharded and self.island is None:
+            raise ValueError("this model's tensors are sharded (FSDP2): create the Learner on every rank with "
+                             "process_group=... (the group the model is sharded over)")
         self.step_count = 0
         self.tokens = 0
-        self.data_position = self.info.data_position
         self.pushes = self.applied = self.skipped = self.refused = self.flushed = self.realigned = 0
         self._shift = 0
         """Steps this learner's push schedule runs ahead of its step count (phase alignment)."""
@@ -79,24 +126,73 @@ class Learner:
         self._step_seconds: float | None = None
         self._tokens_per_second: float | None = None
         self._last_report = 0.0
-        self.speed = speed
+        self._error: str | None = None
+        """A leader's failure, held until the other ranks of its island have heard of it."""
+        self._stop = False
+        self._progress: float | None = None
+        self._finished = False
+        self._join(state)
 
-    def _initial_fragments(self, specs):
-        def initial(num_fragments: int) -> list[torch.Tensor]:
-            return [gather(self.params, f) for f in plan_fragments(specs, num_fragments)]
+    # ---- joining ------------------------------------------------------------------------------------------
+    def _join(self, state: dict[str, torch.Tensor]) -> None:
+        whole = None
+        if self.sharded:  # the first learner uploads whole tensors; gathering a shard is a collective
+            whole = {s.name: full(state[s.name]) for s in self.specs if s.kind != "alias"}
+        info = None
+        if self.leader:
+            if self.device.type == "cuda" and getattr(self.transport, "receiver", None) is not None:
+                self.transport.receiver.pin_memory = True
+            info = self._lead(self.transport.join, self.learner_id, self.specs, self._initial_fragments(whole or state))
+        config_json, position = (info.config.to_json(), info.data_position) if info else (None, 0)
+        if self.island:
+            config_json, position, self._error = self.island.share((config_json, position, self._error))
+        if self._error is not None:
+            raise SyncerError(self._error)
+        self.config: SyncConfig = info.config if info else SyncConfig.from_json(config_json)
+        self.data_position = position
+        self.layout = plan_fragments(self.specs, self.config.fragments)
+        values = {i: (version, v) for i, version, v in info.fragments} if info else {}
+        self.slots: list[FragmentSlot] = []
+        for fragment in self.layout:
+            version, flat = values.get(fragment.index, (0, None))
+            self._write(fragment, flat)
+            if self.leader and self._pushable(fragment):
+                self.slots.append(FragmentSlot(fragment, flat, version))
+            elif self.leader and getattr(self.transport, "receiver", None) is not None:
+                self.transport.receiver.forget(fragment.index)
+        self._slot = {slot.fragment.index: slot for slot in self.slots}
+
+    def _pushable(self, fragment: Fragment) -> bool:
+        return fragment.role == "params" or (fragment.role == "buffers" and self.config.sync_buffers)
+
+    def _initial_fragments(self, state: dict[str, torch.Tensor]):
+        def initial(num_fragments: int) -> InitialValues:
+            return InitialValues(plan_fragments(self.specs, fit_fragments(self.specs, num_fragments)), state)
 
         return initial
 
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by name, checked against what it joined with."""
+        state = named_state(self.model)
+        for s in self.specs:
+            t = state.get(s.name)
+            if t is None or tuple(t.shape) != s.shape:
+                got = "missing" if t is None else f"{list(t.shape)}"
+                raise ValueError(f"the model changed after joining: tensor {s.name} is {got}, it was {list(s.shape)}; "
+                                 f"a learner's model must keep the shape it joined with (start a new Learner)")
+        return state
+
+    # ---- what the syncer says -----------------------------------------------------------------------------
     @property
     def should_stop(self) -> bool:
-        """True once the syncer says the run's budget is spent."""
-        return self.transport.stop_requested
+        """True once the syncer says the run's budget is spent (in an island: as of the last step, on every rank)."""
+        return self._stop if self.island else self.transport.stop_requested
 
     @property
     def budget_progress(self) -> float | None:
         """Share of the run's budget (tokens or duration) spent, as the syncer last said; None if it has none.
         Drive a learning-rate decay with it so that every learner decays together."""
-        return self.transport.budget_progress
+        return self._progress if self.island else self.transport.budget_progress
 
     @property
     def schedule_position(self) -> int:
@@ -104,31 +200,89 @@ class Learner:
         with its peers. Every position up to it has been passed exactly once."""
         return self.step_count + self._shift
 
+    # ---- the step -----------------------------------------------------------------------------------------
     def step(self, tokens: int, loss: float | None = None, data_position: int | None = None) -> None:
-        """Call after every inner optimizer step with the tokens that step consumed."""
+        """Call after every inner optimizer step with the tokens that step consumed (in an island: on every rank,
+        with that rank's tokens)."""
+        if self._finished:
+            raise RuntimeError(f"learner {self.learner_id!r}: step() after finish(); this learner has left the run "
+                               f"(create a new Learner to rejoin)")
+        try:
+            tokens = operator.index(tokens)
+        except TypeError:
+            raise ValueError(f"tokens must be a whole number, got {tokens!r}") from None
+        if tokens <= 0:
+            raise ValueError(f"tokens must be positive (the tokens this step consumed), got {tokens}: a step without "
+                             f"tokens would weigh nothing and never advance a token budget")
+        if self.island:
+            tokens, loss = self.island.reduce_step(tokens, loss)
+        self.step_count += 1  # on every rank: loops that count steps end together
+        self.tokens += tokens
+        if data_position is not None:
+            self.data_position = data_position
+        due_now = self._lead(self._advance, tokens) or []
+        if self.sharded:
+            due_now = self._share(due_now)
+        for p in due_now:
+            self._push(p)
+        applies = self._lead(self._ready) or []
+        if self.island:
+            applies = self._share(applies)
+        for p, local in applies:
+            self._apply(p, local)
+        if self.leader:
+            self._lead(self._maybe_report, loss)
+
+    def _lead(self, fn, *args):
+        """Run `fn` on the leader. In an island a SyncerError is held until every rank has heard of it."""
+        if not self.leader or self._error is not None:
+            return None
+        if self.island is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except SyncerError as e:
+            self._error = str(e)
+            return None
+
+    def _share(self, value):
+        """The leader's value, stop and progress on every rank; raises on every rank if the leader failed."""
+        if self.island is None:
+            return value
+        if self.leader:
+            self._stop, self._progress = self.transport.stop_requested, self.transport.budget_progress
+        value, self._stop, self._progress, self._error = self.island.share((value, self._stop, self._progress,
+                                                                             self._error))
+        if self._error is not None:
+            raise SyncerError(self._error)
+        return value
+
+    def _advance(self, tokens: int) -> list[int]:
+        """Count the step in each fragment; returns the fragments to push now."""
         now = time.monotonic()
         if self._last_step_at is not None:
             self._step_seconds = now - self._last_step_at
             self._tokens_per_second = tokens / max(self._step_seconds, 1e-9)
         self._last_step_at = now
-        self.step_count += 1
-        self.tokens += tokens
-        if data_position is not None:
-            self.data_position = data_position
         for slot in self.slots:
             slot.steps += 1
             slot.tokens += tokens
+        out = []
         for p in self._due():
-            self._push(self.slots[p])
-        self._collect(block=False)
-        for slot in self.slots:
-            self._maybe_apply(slot)
-        if now - self._last_report >= self.config.heartbeat_seconds / 2:
-            self._report(loss, now)
+            if self._slot[p].pushed_at is None:
+                out.append(p)
+            else:
+                self.skipped += 1  # the last push's result is still out; its Δ already covers this progress
+        return out
 
     def _due(self) -> list[int]:
         """Fragments to push now: those due at this learner's position in the schedule (its step plus a shift that
-        keeps it in phase with its peers, DESIGN §3.2)."""
+        keeps it in phase with its peers, DESIGN §3.2); buffers go with fragment 0."""
+        pushes = self._due_params()
+        buffers = [s.fragment.index for s in self.slots if s.fragment.role == "buffers"]
+        return pushes + (buffers if 0 in pushes else [])
+
+    def _due_params(self) -> list[int]:
         H, P = self.config.sync_every, self.config.fragments
         if self._hold:  # still ahead of its peers: stay at the same position
             self._hold -= 1
@@ -149,53 +303,95 @@ class Learner:
         self._aligned_at = self.step_count
         return [p for u in range(position, position + steps + 1) for p in due(u, H, P)]
 
-    def _push(self, slot: FragmentSlot) -> None:
-        if slot.pushed_at is not None:
-            self.skipped += 1  # the last push's result is still out; its Δ already covers this progress
+    def _tensors(self, fragment: Fragment) -> list[torch.Tensor]:
+        state = self._state()
+        return [state[s.name] for s in fragment.specs]
+
+    def _local(self, fragment: Fragment) -> list[torch.Tensor]:
+        """The fragment's whole local tensors (all-gathered when sharded: every rank calls this together)."""
+        tensors = self._tensors(fragment)
+        return [full(t) for t in tensors] if self.sharded else tensors
+
+    def _push(self, p: int) -> None:
+        """Push fragment p's progress (in a sharded island every rank calls this: the gather is a collective)."""
+        fragment = self.layout[p]
+        local = self._local(fragment)
+        if not self.leader:
             return
-        local = gather(self.params, slot.fragment)
-        delta = slot.base - local
-        if self.config.keep_overlap:
-            slot.pushed = (local, slot.steps, slot.tokens)
+        slot = self._slot[p]
+        taken = snapshot(local)
+        if self.config.keep_overlap and fragment.role == "params":
+            slot.pushed = (taken, slot.steps, slot.tokens)
         self._seq += 1
-        self.transport.push(PushJob(slot.fragment.index, delta, slot.version, slot.steps, slot.tokens, self._seq,
+        self.transport.push(PushJob(p, slot.base, taken, slot.version, slot.steps, slot.tokens, self._seq,
                                     self.data_position))
         slot.pushed_at, slot.pushed_seq = self.step_count, self._seq
         self.pushes += 1
 
     def _collect(self, block: bool, timeout: float | None = None) -> None:
         for arrival in self.transport.arrivals(timeout if block else None):
-            slot = self.slots[arrival.fragment]
-            if slot.pushed_at is None or arrival.seq != slot.pushed_seq:
+            slot = self._slot.get(arrival.fragment)
+            if slot is None or slot.pushed_at is None or arrival.seq != slot.pushed_seq:
                 continue  # an answer to an earlier (re-sent) push: applying it would count progress twice
             if arrival.refused:
                 self.refused += 1
             slot.ready = arrival
 
-    def _maybe_apply(self, slot: FragmentSlot) -> None:
-        if slot.pushed_at is None or self.step_count < slot.pushed_at + self.config.overlap:
-            return
-        while slot.ready is None and self.config.wait_for_merge:
-            self._collect(block=True, timeout=1.0)
-            if self.transport.stop_requested and slot.ready is None:
-                return
-        if slot.ready is None:
-            return  # decoupled: keep training, apply when it arrives
-        self._apply(slot, slot.ready)
+    def _ready(self) -> list[tuple[int, bool]]:
+        """(fragment, whether its apply reads the local values) for every merged fragment to apply now."""
+        self._collect(block=False)
+        out = []
+        for slot in self.slots:
+            if slot.pushed_at is None or self.step_count < slot.pushed_at + self.config.overlap:
+                continue
+            while slot.ready is None and self.config.wait_for_merge:
+                self._collect(block=True, timeout=1.0)
+                if self.transport.stop_requested and slot.ready is None:
+                    break
+            if slot.ready is not None:
+                out.append((slot.fragment.index, self._reads_local(slot)))
+        return out
 
-    def _apply(self, slot: FragmentSlot, arrival: Arrival) -> None:
-        values, steps, tokens = arrival.values, 0, 0
-        if self.config.keep_overlap and slot.pushed is not None and not arrival.refused:
-            local, pushed_steps, pushed_tokens = slot.pushed
-            values = values + (gather(self.params, slot.fragment) - local)  # steps taken since the push stay
-            steps, tokens = slot.steps - pushed_steps, slot.tokens - pushed_tokens
-        elif self.config.blend:
-            values = self.config.blend * gather(self.params, slot.fragment) + (1 - self.config.blend) * values
-        scatter(values, self.params, slot.fragment)
+    def _reads_local(self, slot: FragmentSlot) -> bool:
+        if slot.fragment.role != "params" or slot.ready is None or slot.ready.refused:
+            return False
+        return (self.config.keep_overlap and slot.pushed is not None) or bool(self.config.blend)
+
+    def _apply(self, p: int, reads_local: bool) -> None:
+        """Write a merged fragment into the model (every rank calls this together in an island)."""
+        fragment = self.layout[p]
+        local = self._local(fragment) if reads_local and (self.leader or self.sharded) else None
+        values = self._merged_values(self._slot[p], local) if self.leader else None
+        self._write(fragment, values)
+        self.applied += 1
+
+    def _merged_values(self, slot: FragmentSlot, local: list[torch.Tensor] | None) -> torch.Tensor:
+        """The fragment's new values on the model's device; updates the slot."""
+        arrival = slot.ready
+        values, steps, tokens = to_device(arrival.values, self.device), 0, 0
+        if local is not None:
+            now = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in local])
+            if self.config.keep_overlap and slot.pushed is not None:
+                taken, pushed_steps, pushed_tokens = slot.pushed
+                values = values + (now - taken.device())  # steps taken since the push stay
+                steps, tokens = slot.steps - pushed_steps, slot.tokens - pushed_tokens
+            else:
+                values = self.config.blend * now + (1 - self.config.blend) * values
         slot.base, slot.version = arrival.values, arrival.version
         slot.steps, slot.tokens, slot.pushed = steps, tokens, None
         slot.pushed_at, slot.ready = None, None
-        self.applied += 1
+        return values
+
+    def _write(self, fragment: Fragment, flat: torch.Tensor | None) -> None:
+        """Set the fragment's tensors to the leader's flat values (broadcast first in an island)."""
+        if self.island is not None:
+            flat = self.island.broadcast(flat, fragment.numel)
+        scatter(flat, self._state(), fragment)
+
+    def _maybe_report(self, loss: float | None) -> None:
+        now = time.monotonic()
+        if now - self._last_report >= self.config.heartbeat_seconds / 2:
+            self._report(loss, now)
 
     def _report(self, loss: float | None, now: float) -> None:
         self._last_report = now
@@ -205,24 +401,55 @@ class Learner:
             tokens_per_second=self._tokens_per_second,
         )
 
-    def finish(self, timeout: float = 30.0) -> None:
-        """End of training: wait for results still out, push all remaining progress, leave the run."""
-        deadline = time.monotonic() + timeout
-        while any(s.pushed_at is not None for s in self.slots) and time.monotonic() < deadline:
+    # ---- leaving ------------------------------------------------------------------------------------------
+    def finish(self, timeout: float | None = 300.0) -> None:
+        """End of training: apply results still out, push all remaining progress, and leave the run once the syncer
+        has every push. Raises SyncerError if that cannot be done within `timeout` seconds (None: as long as the
+        transfers make progress); work is never dropped silently. In an island every rank calls it."""
+        if self._finished:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        applies = self._lead(self._await_results, deadline) or []
+        if self.island:
+            applies = self._share(applies)
+        for p, local in applies:
+            self._apply(p, local)
+        flush = self._lead(lambda: [s.fragment.index for s in self.slots if s.steps and s.pushed_at is None]) or []
+        if self.sharded:
+            flush = self._share(flush)
+        for p in flush:
+            self._push(p)
+            self.flushed += self.leader
+        self._finished = True
+        self._lead(self._leave, deadline)
+        if self.island:
+            self._share(None)
+
+    def _await_results(self, deadline: float | None) -> list[tuple[int, bool]]:
+        wait_until = time.monotonic() + RESULT_WAIT if deadline is None else min(deadline, time.monotonic() + RESULT_WAIT)
+        while any(s.pushed_at is not None and s.ready is None for s in self.slots) and time.monotonic() < wait_until:
             self._collect(block=True, timeout=0.2)
-            for slot in self.slots:
-                if slot.ready is not None:
-                    self._apply(slot, slot.ready)
-        for slot in self.slots:
-            if slot.steps and slot.pushed_at is None:
-                self._push(slot)
-                self.flushed += 1
+        self._collect(block=False)
+        return [(s.fragment.index, self._reads_local(s)) for s in self.slots if s.ready is not None]
+
+    def _leave(self, deadline: float | None) -> None:
         self._report(None, time.monotonic())
-        self.transport.close()
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            self.transport.close(timeout=remaining)
+        except SyncerError as e:
+            self._error = str(e)
+            if self.island is None:
+                raise
 
     def close(self) -> None:
         """Leave without pushing what is left (e.g. on error)."""
-        self.transport.close()
+        self._finished = True
+        if self.leader and self.transport is not None:
+            try:
+                self.transport.close(timeout=5.0)
+            except SyncerError as e:
+                log.warning("learner %s left with work undelivered: %s", self.learner_id, e)
 
     def global_fragment_versions(self) -> list[int]:
         return [s.version for s in self.slots]

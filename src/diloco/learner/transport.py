@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Protocol
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
+from diloco.learner.staging import Snapshot
 from diloco.syncer.core import Publication, Refused, SyncerCore, tensor_checksum
 
 
@@ -30,15 +32,23 @@ class JoinInfo:
     """Where this learner's data shard resumes (from the syncer's ledger)."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class PushJob:
+    """One push: Δ = base − local is computed where it is first read (the sender thread), not on the training
+    thread, and after the local values have reached host memory."""
+
     fragment: int
-    delta: torch.Tensor
+    base: torch.Tensor
+    local: Snapshot
     base_version: int
     steps: int
     tokens: int
     seq: int
     data_position: int
+
+    @cached_property
+    def delta(self) -> torch.Tensor:
+        return self.base - self.local.host()
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,8 @@ class Transport(Protocol):
         behind), once: None until a new one arrives."""
     @property
     def wire_bytes(self) -> int: ...
-    def close(self) -> None: ...
+    def close(self, timeout: float | None = None) -> None:
+        """Deliver every queued push, then leave; raise SyncerError if that cannot be done within `timeout`."""
 
 
 class HeartbeatNews:
@@ -91,9 +102,16 @@ class Receiver:
     def __init__(self) -> None:
         self.held: dict[int, torch.Tensor] = {}
         self.inbox: queue.Queue[Arrival] = queue.Queue()
+        self.pin_memory = False
+        """Put arriving values in pinned memory (a CUDA learner copies them to the device without waiting)."""
 
     def reset(self, fragments: list[tuple[int, int, torch.Tensor]]) -> None:
-        self.held = {i: v.clone() for i, _, v in fragments}
+        """Start from the join's values; they are shared with the learner's bases, never changed in place."""
+        self.held = {i: v for i, _, v in fragments}
+
+    def forget(self, fragment: int) -> None:
+        """Stop tracking a fragment that is never published again (frozen tensors set on join)."""
+        self.held.pop(fragment, None)
 
     def accept(self, pub: Publication, refused: str = "") -> bool:  # or anything with Publication's fields
         """Decode and queue one publication; False when its result does not match (a resync is needed)."""
@@ -101,6 +119,8 @@ class Receiver:
         values = change if pub.full else self.held[pub.fragment] + change
         if tensor_checksum(values) != pub.result_checksum:
             return False
+        if self.pin_memory:
+            values = values.pin_memory()
         self.held[pub.fragment] = values
         self.inbox.put(Arrival(pub.fragment, pub.version, values, refused, pub.seq))
         return True
@@ -153,9 +173,13 @@ class LocalTransport(HeartbeatNews):
             except Refused as e:
                 raise SyncerError(str(e)) from None
             receiver = self.local.receivers.setdefault(learner_id, Receiver())
-            fragments = core.snapshot_for_join(learner_id)
+            fragments = [(i, v, values.clone()) for i, v, values in core.snapshot_for_join(learner_id)]
             receiver.reset(fragments)
             return JoinInfo(core.cfg, self.session, fragments, core.learners[learner_id].data_position)
+
+    @property
+    def receiver(self) -> Receiver:
+        return self.local.receivers[self.learner_id]
 
     def push(self, job: PushJob) -> None:
         payload = codec.encode(job.delta, self.local.core.cfg.codec)
@@ -185,7 +209,7 @@ class LocalTransport(HeartbeatNews):
     def wire_bytes(self) -> int:
         return 0
 
-    def close(self) -> None:
-        with self.local.lock:
+    def close(self, timeout: float | None = None) -> None:
+        with self.local.lock:  # pushes were delivered as they were made
             self.local.core.leave(self.learner_id, self.session)
             self.local.deliver(self.local.core.poll())

@@ -15,6 +15,15 @@ from pathlib import Path
 PY = [sys.executable, "-m", "diloco", "--log-level", "INFO"]
 
 
+def learner_launcher(ranks: int) -> list[str]:
+    """How a learner process starts: plainly, or as a torchrun job of `ranks` ranks (gloo on CPU) on a port of its
+    own, so that several islands share this machine."""
+    if ranks == 1:
+        return PY
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), "-m", "diloco", "--log-level", "INFO"]
+
+
 class ClusterError(RuntimeError):
     """A process of the run failed; the message names its log."""
 
@@ -40,14 +49,15 @@ def stop(proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        with_signal(proc, signal.SIGKILL)
         proc.wait()
 
 
 def with_signal(proc: subprocess.Popen | None, sig: int) -> None:
+    """Signal the process and everything it started (a torchrun launcher's ranks): each runs in its own session."""
     if proc is not None and proc.poll() is None:
         try:
-            proc.send_signal(sig)
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
 
@@ -55,7 +65,8 @@ def with_signal(proc: subprocess.Popen | None, sig: int) -> None:
 class LocalCluster:
     """A syncer on fixed ports (so it can be restarted on its state) and learners, optionally behind proxies."""
 
-    def __init__(self, out: Path, syncer_args: list[str], learner_args: dict[str, list[str]], proxies: bool = False):
+    def __init__(self, out: Path, syncer_args: list[str], learner_args: dict[str, list[str]], proxies: bool = False,
+                 ranks_per_learner: int = 1):
         self.out = out
         self.grpc_port, self.http_port = free_port(), free_port()
         self.syncer_cmd = PY + ["syncer", "--listen", f"127.0.0.1:{self.grpc_port}", "--http",
@@ -66,7 +77,7 @@ class LocalCluster:
 
             self.proxies = {lid: ProxyThread(f"127.0.0.1:{self.grpc_port}") for lid in learner_args}
         self.learner_cmds = {
-            lid: PY + ["learner", "--syncer", self.proxies[lid].address if lid in self.proxies
+            lid: learner_launcher(ranks_per_learner) + ["learner", "--syncer", self.proxies[lid].address if lid in self.proxies
                        else f"127.0.0.1:{self.grpc_port}", "--id", lid, *args]
             for lid, args in learner_args.items()
         }

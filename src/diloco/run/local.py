@@ -39,6 +39,8 @@ class Plan:
     steps: int | None
     tokens: int | None
     duration: float | None
+    ranks_per_learner: int = 1
+    """Processes per learner: more than 1 starts each learner as a torchrun job (DDP over gloo)."""
     chaos: str | None = None
     faults: list | None = None
     fault_timeline: list | None = None
@@ -61,6 +63,11 @@ def make_plan(args) -> Plan:
         duration = DEFAULT_DURATION
     if args.mtbf is not None and args.mtbf <= 0:
         raise ValueError(f"--mtbf must be positive, got {args.mtbf}")
+    ranks = getattr(args, "ranks_per_learner", 1)
+    if ranks < 1:
+        raise ValueError(f"--ranks-per-learner must be at least 1, got {ranks}")
+    if ranks > 1 and args.mode == "dp":
+        raise ValueError("--ranks-per-learner applies to learners of a syncer; --mode dp runs one process per worker")
     train = train_config(args)
     if args.model == "tiny":
         train = replace(train, model=TINY)
@@ -86,7 +93,8 @@ def make_plan(args) -> Plan:
         faults = load(args.chaos, duration, [f"learner-{i}" for i in range(args.learners)], train.seed, args.mtbf)
         if args.mode == "dp" and any(f.kind in ("partition", "syncer-crash") for f in faults):
             raise ValueError("data-parallel runs have no syncer link: their scenarios may kill, hang or slow workers")
-    return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, args.chaos, faults)
+    return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
+                faults)
 
 
 def budget_text(plan: Plan) -> str:
@@ -220,7 +228,8 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
         if plan.steps:
             learner_args[lid] += ["--max-steps", str(plan.steps)]
     faults = chaos or []
-    cluster = LocalCluster(plan.out, syncer_args, learner_args, proxies=any(f.kind == "partition" for f in faults))
+    cluster = LocalCluster(plan.out, syncer_args, learner_args, proxies=any(f.kind == "partition" for f in faults),
+                           ranks_per_learner=plan.ranks_per_learner)
     injector = Injector(faults, cluster)
     try:
         cluster.start()

@@ -53,7 +53,7 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
     t0 = min((x["t"] for x in lines), default=started_unix)
     t1 = max((x["t"] for x in lines), default=started_unix)
     wall = t1 - t0
-    tokens_per_step = train.tokens_per_step()
+    tokens_per_step = train.tokens_per_step() * plan.ranks_per_learner  # a learner's ranks each take a batch
     faults = source.get("faults", plan.fault_timeline or [])
     origin = plan.fault_origin_unix or t0
     windows = accounting.fault_windows(faults, origin)

@@ -11,14 +11,14 @@ import secrets
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from diloco import codec
 from diloco.config import SyncConfig
-from diloco.fragments import Fragment, TensorSpec, first_difference, plan_fragments, segments, signature
+from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
 from diloco.merge import merge, token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, RoundState, decide
@@ -140,23 +140,35 @@ class SyncerCore:
         """
         if self.initialized:
             return False
+        fitted = fit_fragments(specs, self.cfg.fragments)
+        if fitted != self.cfg.fragments:
+            self.cfg = replace(self.cfg, fragments=fitted)
         layout = plan_fragments(specs, self.cfg.fragments)
         if len(flats) != len(layout) or any(f.numel() != fr.numel for f, fr in zip(flats, layout)):
             raise Refused("initial parameters do not match the model's fragment layout")
+        for fr, f in zip(layout, flats):
+            if not torch.isfinite(f).all():
+                raise Refused(f"initial values of fragment {fr.index} contain NaN or Inf")
         self.specs = list(specs)
-        self.fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f)) for fr, f in zip(layout, flats)]
+        self.fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f) if fr.role == "params" else torch.zeros(0))
+                          for fr, f in zip(layout, flats)]
         self.persist(range(len(self.fragments)))
         return True
 
     def params(self) -> dict[str, torch.Tensor]:
-        """The global model as named tensors (copies, in model order)."""
+        """The global model as its whole state_dict: every tensor in its own dtype, in model order, an alias (a tied
+        head) as a copy of the tensor it shares, so that `load_state_dict(strict=True)` takes it as it is."""
         out = {}
         for fs in self.fragments:
             offset = 0
             for s in fs.fragment.specs:
-                out[s.name] = fs.theta[offset : offset + s.numel].view(s.shape).clone()
+                out[s.name] = fs.theta[offset : offset + s.numel].view(s.shape).to(getattr(torch, s.dtype)).clone()
                 offset += s.numel
-        return {s.name: out[s.name] for s in self.specs or []}
+        return {s.name: out[s.alias_of].clone() if s.kind == "alias" else out[s.name] for s in self.specs or []}
+
+    @property
+    def param_fragments(self) -> list["FragmentState"]:
+        return [fs for fs in self.fragments if fs.fragment.role == "params"]
 
     # ---- membership ---------------------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec]) -> str:
@@ -259,7 +271,7 @@ class SyncerCore:
         pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
         if pending is not None and (pending.session, pending.seq) == (session, seq):
             return PushResult(True, "duplicate push ignored", duplicate=True)
-        if 0 <= fragment < len(self.fragments):
+        if 0 <= fragment < len(self.fragments) and self.fragments[fragment].fragment.role == "params":
             record.last_push = (self.clock(), fragment)  # its phase in the push schedule, for predicting the next
         try:
             delta = self._validate(fragment, steps, tokens, payload)
@@ -292,6 +304,9 @@ class SyncerCore:
             raise Refused("not initialised: join first")
         if not 0 <= fragment < len(self.fragments):
             raise Refused(f"bad fragment: {fragment} is not in 0..{len(self.fragments) - 1}")
+        role = self.fragments[fragment].fragment.role
+        if role == "static" or (role == "buffers" and not self.cfg.sync_buffers):
+            raise Refused(f"bad fragment: {fragment} holds tensors that are set on join and never pushed")
         expected = self.fragments[fragment].fragment.numel
         if payload.numel != expected:
             raise Refused(f"bad shape: fragment {fragment} has {expected} values, payload has {payload.numel}")
@@ -308,7 +323,7 @@ class SyncerCore:
             raise Refused("non-finite values: the outer gradient contains NaN or Inf")
         norms = self.fragments[fragment].norms
         per_step = delta.norm().item() / steps
-        if self.cfg.max_norm_ratio and len(norms) >= NORM_MIN_SAMPLES:
+        if self.cfg.max_norm_ratio and role == "params" and len(norms) >= NORM_MIN_SAMPLES:
             typical = statistics.median(norms)
             if per_step > self.cfg.max_norm_ratio * typical:
                 raise Refused(f"norm outlier: {per_step:.3g} per step is over {self.cfg.max_norm_ratio:g}× the "
@@ -414,11 +429,14 @@ class SyncerCore:
         counted = [self._counted(c) for c in contributions]
         weights = [token_weight(tokens, steps, fs.version - c.base_version, self.cfg.staleness_decay)
                    for c, (tokens, steps) in zip(contributions, counted)]
-        delta = merge([c.delta for c in contributions], weights, segments(fs.fragment), self.cfg.merge)
-        share = self._round_share(contributions, [t for t, _ in counted]) if self.cfg.scale_partial_rounds else 1.0
+        params = fs.fragment.role == "params"
+        delta = merge([c.delta for c in contributions], weights, segments(fs.fragment), self.cfg.merge if params else "mean")
+        share = self._round_share(contributions, [t for t, _ in counted]) if self.cfg.scale_partial_rounds and params else 1.0
         if share < 1.0:
             delta.mul_(share)
-        if self.cfg.delayed_momentum:
+        if not params:  # buffers: their token-weighted mean, Θ − mean(Θ_base − b_m), no outer optimizer
+            fs.theta.sub_(delta)
+        elif self.cfg.delayed_momentum:
             if fs.pending_delta is None:
                 fs.pending_delta = torch.zeros_like(fs.theta)
             fs.pending_share = delayed_nesterov_step(fs.theta, delta, fs.momentum, fs.pending_delta, share,
@@ -430,10 +448,12 @@ class SyncerCore:
         self.rounds += 1
         for c, (tokens, _) in zip(contributions, counted):
             record = self.learners[c.learner]
-            record.contribution_tokens.update(tokens)
             record.merged_seq[f"{c.session}:{index}"] = max(c.seq, record.merged_seq.get(f"{c.session}:{index}", 0))
+            if not params:
+                continue
+            record.contribution_tokens.update(tokens)
             record.merged += 1
-            record.tokens_merged += c.tokens / len(self.fragments)
+            record.tokens_merged += c.tokens / self.cfg.fragments
             record.data_position = max(record.data_position, c.data_position)  # where merged work ended
         entry = (round(self.clock() - self.started_at, 4), index, fs.version, len(contributions))
         self.round_log.append(entry)

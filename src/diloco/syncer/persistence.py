@@ -20,7 +20,7 @@ def ledger(core) -> dict:
     now = core.clock()
     return {
         "config": json.loads(core.cfg.to_json()),
-        "specs": [[s.name, list(s.shape), s.dtype, s.embedding] for s in core.specs or []],
+        "specs": [[s.name, list(s.shape), s.dtype, s.embedding, s.kind, s.alias_of] for s in core.specs or []],
         "versions": [fs.version for fs in core.fragments],
         "pending_share": [fs.pending_share for fs in core.fragments],
         "rounds": core.rounds,
@@ -39,7 +39,7 @@ def persist(core, changed) -> None:
     tensors = {}
     for i in changed:
         fs = core.fragments[i]
-        pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.theta)
+        pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.momentum)
         tensors[i] = (fs.version, {"theta": fs.theta, "momentum": fs.momentum, "pending_delta": pending})
     core.store.save(ledger(core), tensors)
 
@@ -55,7 +55,7 @@ def restore(core) -> bool:
     if stored_cfg != core.cfg:
         log.warning("resuming with the stored run configuration, not the one given on the command line")
         core.cfg = stored_cfg
-    core.specs = [TensorSpec(n, tuple(shape), dtype, emb) for n, shape, dtype, emb in led["specs"]]
+    core.specs = [TensorSpec(n, tuple(shape), dtype, emb, *rest) for n, shape, dtype, emb, *rest in led["specs"]]
     core.fragments = []
     for i, fragment in enumerate(plan_fragments(core.specs, core.cfg.fragments)):
         t = loaded.fragments[i]

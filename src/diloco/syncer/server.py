@@ -49,6 +49,8 @@ class ServerOptions:
     """Stop the run this many seconds after the first learner joined."""
     snapshot_tokens: int = 0
     """Also save a snapshot each time this many more tokens have been trained (0: never)."""
+    stall_timeout: float = 60.0
+    """Seconds the learner uploading the initial model may send nothing before another joiner takes over."""
     snapshot_seconds: float = 0.0
     """Save the global model this often into out/snapshots (0: never) — the eval-loss curve is drawn from them."""
 
@@ -104,7 +106,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     if core.restore():
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
     metrics = SyncerMetrics()
-    service = SyncerService(core, metrics, opts.token)
+    service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SyncerServicer_to_server(service, server)
     credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)

@@ -96,29 +96,46 @@ def train_step(model, optimizer, x, y, step: int, cfg: TrainConfig, progress: fl
     return loss.item()
 
 
-def run_learner(cfg: TrainConfig, transport: Transport, opts: WorkerOptions, corpus: Corpus | None = None) -> dict:
-    """Train until the syncer says stop (or max_steps); returns this learner's summary."""
+def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptions, corpus: Corpus | None = None,
+                device: torch.device | str = "cpu", process_group=None) -> dict:
+    """Train until the syncer says stop (or max_steps); returns this learner's summary.
+
+    With `process_group` this process is one rank of a learner made of several (torchrun): the model is wrapped in
+    DistributedDataParallel, each rank reads its own part of the learner's shard, and rank 0 talks to the syncer
+    (the other ranks pass transport=None)."""
     corpus = corpus or Corpus.from_config(cfg)
-    model = build_model(cfg.model, cfg.seed)
-    learner = Learner(model, transport, opts.learner_id, speed=opts.speed)
+    device = torch.device(device)
+    model = build_model(cfg.model, cfg.seed).to(device)
+    rank, ranks = 0, 1
+    if process_group is not None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        rank, ranks = dist.get_rank(process_group), dist.get_world_size(process_group)
+        model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                        process_group=process_group)
+    learner = Learner(model, transport, opts.learner_id, speed=opts.speed, process_group=process_group)
     optimizer = make_inner_optimizer(model, cfg)
-    sampler = ShardSampler(corpus.train, opts.shard, opts.num_shards, cfg.model.seq_len, cfg.batch_size, cfg.seed,
-                           position=learner.data_position)
-    clock, log = StepClock(opts.speed), MetricsLog(opts.metrics_path)
+    sampler = ShardSampler(corpus.train, opts.shard * ranks + rank, opts.num_shards * ranks, cfg.model.seq_len,
+                           cfg.batch_size, cfg.seed, position=learner.data_position)
+    clock, log = StepClock(opts.speed), MetricsLog(opts.metrics_path if rank == 0 else None)
     tokens_per_step = cfg.tokens_per_step()
     started = time.time()
     try:
         while not learner.should_stop and (opts.max_steps is None or learner.step_count < opts.max_steps):
-            if opts.stop is not None and opts.stop.is_set():
+            leave = opts.stop is not None and opts.stop.is_set()
+            if learner.island is not None:  # the ranks leave together, or their collectives would part ways
+                leave = learner.island.any(leave)
+            if leave:
                 break
             t0 = clock.start()
-            x, y = sampler.next_batch()
+            x, y = (t.to(device, non_blocking=True) for t in sampler.next_batch())
             progress = learner.step_count / opts.max_steps if opts.max_steps else learner.budget_progress
             loss = train_step(model, optimizer, x, y, learner.step_count, cfg, progress)
             busy = clock.finish(t0)
             learner.step(tokens_per_step, loss=loss, data_position=sampler.position)
             log.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
-                      tokens_per_second=tokens_per_step / busy, pushes=learner.pushes, applied=learner.applied,
+                      tokens_per_second=tokens_per_step * ranks / busy, pushes=learner.pushes, applied=learner.applied,
                       versions=learner.global_fragment_versions())
         learner.finish()
     except BaseException:
@@ -132,5 +149,5 @@ def run_learner(cfg: TrainConfig, transport: Transport, opts: WorkerOptions, cor
         "applied": learner.applied, "skipped": learner.skipped, "flushed": learner.flushed, "refused": learner.refused,
         "realigned": learner.realigned, "schedule_position": learner.schedule_position, "speed": opts.speed,
         "busy_seconds_median": busy[len(busy) // 2], "wall_seconds": time.time() - started,
-        "wire_bytes": transport.wire_bytes,
+        "wire_bytes": transport.wire_bytes if transport is not None else 0, "ranks": ranks,
     }

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iloco/wire/diloco.proto\x12\x0b\x64iloco.wire\"K\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x11\n\tembedding\x18\x04 \x01(\x08\"\xd1\x01\n\x04\x42lob\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x0c\n\x04\x66ull\x18\t \x01(\x08\x12\x17\n\x0fresult_checksum\x18\n \x01(\r\x12\x0f\n\x07refused\x18\x0b \x01(\t\x12\x0b\n\x03seq\x18\x0c \x01(\x04\"X\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12&\n\x05specs\x18\x02 \x03(\x0b\x32\x17.diloco.wire.TensorSpec\x12\r\n\x05token\x18\x03 \x01(\t\"o\n\nJoinHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x01(\r\x12\x15\n\rdata_position\x18\x04 \x01(\x04\x12\x11\n\tneed_init\x18\x05 \x01(\x08\"a\n\tJoinReply\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.diloco.wire.JoinHeaderH\x00\x12!\n\x04\x62lob\x18\x02 \x01(\x0b\x32\x11.diloco.wire.BlobH\x00\x42\x06\n\x04kind\"c\n\tInitChunk\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.diloco.wire.JoinRequestH\x00\x12!\n\x04\x62lob\x18\x02 \x01(\x0b\x32\x11.diloco.wire.BlobH\x00\x42\x06\n\x04kind\"\x0b\n\tInitReply\"\xe1\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x15\n\rdata_position\x18\x08 \x01(\x04\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\r\n\x05numel\x18\n \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x0b \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\r\"N\n\tPushChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.diloco.wire.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"^\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x0e\n\x06resync\x18\x04 \x01(\x08\x12\x0c\n\x04stop\x18\x05 \x01(\x08\"7\n\x10SubscribeRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"\xb1\x02\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0etokens_trained\x18\x04 \x01(\x04\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\rdata_position\x18\x06 \x01(\x04\x12\x19\n\x0cstep_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06pushes\x18\x08 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\t \x01(\x04\x12\x12\n\x05speed\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11tokens_per_second\x18\x0b \x01(\x01H\x03\x88\x01\x01\x42\x07\n\x05_lossB\x0f\n\r_step_secondsB\x08\n\x06_speedB\x14\n\x12_tokens_per_second\"\x90\x01\n\x0eHeartbeatReply\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x12\x16\n\x0etokens_trained\x18\x02 \x01(\x04\x12\x1c\n\x0f\x62udget_progress\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nphase_lead\x18\x04 \x01(\x02H\x01\x88\x01\x01\x42\x12\n\x10_budget_progressB\r\n\x0b_phase_lead\"3\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"\x0c\n\nLeaveReply2\xff\x02\n\x06Syncer\x12:\n\x04Join\x12\x18.diloco.wire.JoinRequest\x1a\x16.diloco.wire.JoinReply0\x01\x12\x38\n\x04Init\x12\x16.diloco.wire.InitChunk\x1a\x16.diloco.wire.InitReply(\x01\x12\x38\n\x04Push\x12\x16.diloco.wire.PushChunk\x1a\x16.diloco.wire.PushReply(\x01\x12?\n\tSubscribe\x12\x1d.diloco.wire.SubscribeRequest\x1a\x11.diloco.wire.Blob0\x01\x12G\n\tHeartbeat\x12\x1d.diloco.wire.HeartbeatRequest\x1a\x1b.diloco.wire.HeartbeatReply\x12;\n\x05Leave\x12\x19.diloco.wire.LeaveRequest\x1a\x17.diloco.wire.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64iloco/wire/diloco.proto\x12\x0b\x64iloco.wire\"k\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x11\n\tembedding\x18\x04 \x01(\x08\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x10\n\x08\x61lias_of\x18\x06 \x01(\t\"\xd1\x01\n\x04\x42lob\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x0c\n\x04\x66ull\x18\t \x01(\x08\x12\x17\n\x0fresult_checksum\x18\n \x01(\r\x12\x0f\n\x07refused\x18\x0b \x01(\t\x12\x0b\n\x03seq\x18\x0c \x01(\x04\"X\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12&\n\x05specs\x18\x02 \x03(\x0b\x32\x17.diloco.wire.TensorSpec\x12\r\n\x05token\x18\x03 \x01(\t\"\xc0\x01\n\nJoinHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x01(\r\x12\x15\n\rdata_position\x18\x04 \x01(\x04\x12\x11\n\tneed_init\x18\x05 \x01(\x08\x12\x18\n\x0btotal_bytes\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\tinit_wait\x18\x07 \x01(\x08\x12\x12\n\ninit_owner\x18\x08 \x01(\tB\x0e\n\x0c_total_bytes\"a\n\tJoinReply\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.diloco.wire.JoinHeaderH\x00\x12!\n\x04\x62lob\x18\x02 \x01(\x0b\x32\x11.diloco.wire.BlobH\x00\x42\x06\n\x04kind\"c\n\tInitChunk\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.diloco.wire.JoinRequestH\x00\x12!\n\x04\x62lob\x18\x02 \x01(\x0b\x32\x11.diloco.wire.BlobH\x00\x42\x06\n\x04kind\"\x0b\n\tInitReply\"\xe1\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x15\n\rdata_position\x18\x08 \x01(\x04\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\r\n\x05numel\x18\n \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x0b \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\r\"N\n\tPushChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.diloco.wire.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"^\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x0e\n\x06resync\x18\x04 \x01(\x08\x12\x0c\n\x04stop\x18\x05 \x01(\x08\"7\n\x10SubscribeRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"\xb1\x02\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0etokens_trained\x18\x04 \x01(\x04\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\rdata_position\x18\x06 \x01(\x04\x12\x19\n\x0cstep_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06pushes\x18\x08 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\t \x01(\x04\x12\x12\n\x05speed\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11tokens_per_second\x18\x0b \x01(\x01H\x03\x88\x01\x01\x42\x07\n\x05_lossB\x0f\n\r_step_secondsB\x08\n\x06_speedB\x14\n\x12_tokens_per_second\"\x90\x01\n\x0eHeartbeatReply\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x12\x16\n\x0etokens_trained\x18\x02 \x01(\x04\x12\x1c\n\x0f\x62udget_progress\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nphase_lead\x18\x04 \x01(\x02H\x01\x88\x01\x01\x42\x12\n\x10_budget_progressB\r\n\x0b_phase_lead\"3\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"\x0c\n\nLeaveReply2\xff\x02\n\x06Syncer\x12:\n\x04Join\x12\x18.diloco.wire.JoinRequest\x1a\x16.diloco.wire.JoinReply0\x01\x12\x38\n\x04Init\x12\x16.diloco.wire.InitChunk\x1a\x16.diloco.wire.InitReply(\x01\x12\x38\n\x04Push\x12\x16.diloco.wire.PushChunk\x1a\x16.diloco.wire.PushReply(\x01\x12?\n\tSubscribe\x12\x1d.diloco.wire.SubscribeRequest\x1a\x11.diloco.wire.Blob0\x01\x12G\n\tHeartbeat\x12\x1d.diloco.wire.HeartbeatRequest\x1a\x1b.diloco.wire.HeartbeatReply\x12;\n\x05Leave\x12\x19.diloco.wire.LeaveRequest\x1a\x17.diloco.wire.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,35 +32,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco.wire.diloco_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORSPEC']._serialized_start=41
-  _globals['_TENSORSPEC']._serialized_end=116
-  _globals['_BLOB']._serialized_start=119
-  _globals['_BLOB']._serialized_end=328
-  _globals['_JOINREQUEST']._serialized_start=330
-  _globals['_JOINREQUEST']._serialized_end=418
-  _globals['_JOINHEADER']._serialized_start=420
-  _globals['_JOINHEADER']._serialized_end=531
-  _globals['_JOINREPLY']._serialized_start=533
-  _globals['_JOINREPLY']._serialized_end=630
-  _globals['_INITCHUNK']._serialized_start=632
-  _globals['_INITCHUNK']._serialized_end=731
-  _globals['_INITREPLY']._serialized_start=733
-  _globals['_INITREPLY']._serialized_end=744
-  _globals['_PUSHHEADER']._serialized_start=747
-  _globals['_PUSHHEADER']._serialized_end=972
-  _globals['_PUSHCHUNK']._serialized_start=974
-  _globals['_PUSHCHUNK']._serialized_end=1052
-  _globals['_PUSHREPLY']._serialized_start=1054
-  _globals['_PUSHREPLY']._serialized_end=1148
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1150
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1205
-  _globals['_HEARTBEATREQUEST']._serialized_start=1208
-  _globals['_HEARTBEATREQUEST']._serialized_end=1513
-  _globals['_HEARTBEATREPLY']._serialized_start=1516
-  _globals['_HEARTBEATREPLY']._serialized_end=1660
-  _globals['_LEAVEREQUEST']._serialized_start=1662
-  _globals['_LEAVEREQUEST']._serialized_end=1713
-  _globals['_LEAVEREPLY']._serialized_start=1715
-  _globals['_LEAVEREPLY']._serialized_end=1727
-  _globals['_SYNCER']._serialized_start=1730
-  _globals['_SYNCER']._serialized_end=2113
+  _globals['_TENSORSPEC']._serialized_end=148
+  _globals['_BLOB']._serialized_start=151
+  _globals['_BLOB']._serialized_end=360
+  _globals['_JOINREQUEST']._serialized_start=362
+  _globals['_JOINREQUEST']._serialized_end=450
+  _globals['_JOINHEADER']._serialized_start=453
+  _globals['_JOINHEADER']._serialized_end=645
+  _globals['_JOINREPLY']._serialized_start=647
+  _globals['_JOINREPLY']._serialized_end=744
+  _globals['_INITCHUNK']._serialized_start=746
+  _globals['_INITCHUNK']._serialized_end=845
+  _globals['_INITREPLY']._serialized_start=847
+  _globals['_INITREPLY']._serialized_end=858
+  _globals['_PUSHHEADER']._serialized_start=861
+  _globals['_PUSHHEADER']._serialized_end=1086
+  _globals['_PUSHCHUNK']._serialized_start=1088
+  _globals['_PUSHCHUNK']._serialized_end=1166
+  _globals['_PUSHREPLY']._serialized_start=1168
+  _globals['_PUSHREPLY']._serialized_end=1262
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1264
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1319
+  _globals['_HEARTBEATREQUEST']._serialized_start=1322
+  _globals['_HEARTBEATREQUEST']._serialized_end=1627
+  _globals['_HEARTBEATREPLY']._serialized_start=1630
+  _globals['_HEARTBEATREPLY']._serialized_end=1774
+  _globals['_LEAVEREQUEST']._serialized_start=1776
+  _globals['_LEAVEREQUEST']._serialized_end=1827
+  _globals['_LEAVEREPLY']._serialized_start=1829
+  _globals['_LEAVEREPLY']._serialized_end=1841
+  _globals['_SYNCER']._serialized_start=1844
+  _globals['_SYNCER']._serialized_end=2227
 # @@protoc_insertion_point(module_scope)

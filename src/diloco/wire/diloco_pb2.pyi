@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "embedding")
+    __slots__ = ("name", "shape", "dtype", "embedding", "kind", "alias_of")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_OF_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     embedding: bool
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., embedding: _Optional[bool] = ...) -> None: ...
+    kind: str
+    alias_of: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., embedding: _Optional[bool] = ..., kind: _Optional[str] = ..., alias_of: _Optional[str] = ...) -> None: ...
 
 class Blob(_message.Message):
     __slots__ = ("fragment", "version", "codec", "numel", "total_bytes", "checksum", "offset", "data", "full", "result_checksum", "refused", "seq")
@@ -57,18 +61,24 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
-    __slots__ = ("session", "config_json", "fragments", "data_position", "need_init")
+    __slots__ = ("session", "config_json", "fragments", "data_position", "need_init", "total_bytes", "init_wait", "init_owner")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEED_INIT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INIT_WAIT_FIELD_NUMBER: _ClassVar[int]
+    INIT_OWNER_FIELD_NUMBER: _ClassVar[int]
     session: str
     config_json: str
     fragments: int
     data_position: int
     need_init: bool
-    def __init__(self, session: _Optional[str] = ..., config_json: _Optional[str] = ..., fragments: _Optional[int] = ..., data_position: _Optional[int] = ..., need_init: _Optional[bool] = ...) -> None: ...
+    total_bytes: int
+    init_wait: bool
+    init_owner: str
+    def __init__(self, session: _Optional[str] = ..., config_json: _Optional[str] = ..., fragments: _Optional[int] = ..., data_position: _Optional[int] = ..., need_init: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., init_wait: _Optional[bool] = ..., init_owner: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("header", "blob")

@@ -77,7 +77,8 @@ class SyncerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Init(self, request_iterator, context):
-        """The first learner of a run uploads its initial parameters when the syncer asks for them in Join.
+        """The first learner of a run uploads its initial parameters when the syncer asks for them in Join (need_init);
+        only the learner holding that lease may upload, others are told to wait (init_wait).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

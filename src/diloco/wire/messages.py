@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from diloco import codec
-from diloco.fragments import TensorSpec
+from diloco.fragments import KINDS, TensorSpec
 from diloco.wire import diloco_pb2 as pb
 
 CHUNK_BYTES = 2 << 20
@@ -30,11 +30,19 @@ def wire_size(message) -> int:
 
 
 def specs_to_proto(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
-    return [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, embedding=s.embedding) for s in specs]
+    return [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, embedding=s.embedding, kind=s.kind,
+                          alias_of=s.alias_of) for s in specs]
 
 
 def specs_from_proto(specs) -> list[TensorSpec]:
-    return [TensorSpec(s.name, tuple(int(d) for d in s.shape), s.dtype, s.embedding) for s in specs]
+    """Specs from the wire; an unknown kind is refused here, before anything is built from it."""
+    out = []
+    for s in specs:
+        kind = s.kind or "param"
+        if kind not in KINDS:
+            raise ValueError(f"tensor {s.name!r} has unknown kind {s.kind!r}")
+        out.append(TensorSpec(s.name, tuple(int(d) for d in s.shape), s.dtype, s.embedding, kind, s.alias_of))
+    return out
 
 
 def blobs(fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,

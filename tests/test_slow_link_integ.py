@@ -1,0 +1,162 @@
+"""Big models over slow links: transfers have no fixed deadline, only a stall timeout whose error says the link is
+slow; finish delivers every push or says which were not delivered."""
+
+import contextlib
+import time
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from diloco.chaos import LinkFaults, ProxyThread
+from diloco.config import for_mode
+from diloco.learner.grpc_transport import GrpcTransport
+from diloco.learner.learner import Learner
+from diloco.learner.transport import SyncerError
+from diloco.syncer.server import ServerOptions, SyncerThread
+
+from liveness import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def big(seed=0):
+    """About 26 MB of fp32: 13 s each way over a 2 MB/s link."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(256, 1024), *(nn.Linear(1024, 1024) for _ in range(6)))
+
+
+def model_bytes(model) -> int:
+    return sum(4 * p.numel() for p in model.parameters())
+
+
+def train(learner, model, steps):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (8,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        learner.step(8, loss=loss.item())
+
+
+@contextlib.contextmanager
+def syncer_and_proxy(fragments=3, sync_every=4, **faults):
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=fragments, sync_every=sync_every, heartbeat_seconds=0.2),
+                          ServerOptions(listen="127.0.0.1:0", http=None))
+    proxy = ProxyThread(syncer.address, faults=LinkFaults(**faults))
+    try:
+        yield syncer, proxy
+    finally:
+        proxy.stop()
+        syncer.stop()
+
+
+def test_a_big_model_joins_trains_and_finishes_over_a_slow_link():
+    model = big()
+    size = model_bytes(model)
+    with syncer_and_proxy(bandwidth_bps=2e6) as (syncer, proxy):
+        started = time.monotonic()
+        # uploads the initial model, then downloads it: each takes far longer than the 5 s RPC timeout
+        learner = Learner(model, GrpcTransport(proxy.address, rpc_timeout=5, stall_timeout=5), "slow")
+        took = time.monotonic() - started
+        assert took > 2 * 5 and proxy.bytes_up >= size and proxy.bytes_down >= size
+        train(learner, model, 12)  # every fragment is due at least twice (H = 4)
+        assert learner.pushes >= 3
+        learner.finish()
+        assert learner.transport.undelivered == 0 and learner.transport.error is None
+        final = syncer.stop()
+    assert final["rounds"] >= 3
+    assert all(v >= 1 for v in final["versions"]), final["versions"]  # every fragment's push was merged
+    assert sum(final["pending"]) == 0
+
+
+def test_a_stalled_join_says_the_link_is_slow_not_that_the_syncer_is_missing():
+    with syncer_and_proxy(bandwidth_bps=50e3) as (syncer, proxy):
+        first = Learner(big(), GrpcTransport(syncer.address), "first")  # initialises the syncer, at loopback speed
+        started = time.monotonic()
+        with pytest.raises(SyncerError) as e:  # one 2 MiB chunk takes 40 s at 50 kB/s
+            Learner(big(seed=1), GrpcTransport(proxy.address, stall_timeout=1.0), "second")
+        message = str(e.value)
+        assert time.monotonic() - started < 15
+        assert message.startswith(f"join stalled: no data from the syncer at {proxy.address} for 1 s after 0.0 of 26.")
+        assert "the link is too slow or down (raise stall_timeout / --stall-timeout)" in message
+        assert "diloco syncer" not in message and "start" not in message
+        first.close()
+
+
+def test_a_stalled_upload_of_the_initial_model_says_the_link_is_slow():
+    with syncer_and_proxy(bandwidth_bps=50e3) as (syncer, proxy):
+        started = time.monotonic()
+        with pytest.raises(SyncerError) as e:
+            Learner(big(), GrpcTransport(proxy.address, stall_timeout=1.0), "first")
+        message = str(e.value)
+        assert time.monotonic() - started < 15
+        assert message.startswith(f"init stalled: nothing moved to or from the syncer at {proxy.address} for 1 s")
+        assert "of 26." in message and "MB of the initial model" in message
+        assert "too slow or down" in message and "diloco syncer" not in message
+
+
+def joined_small(proxy, **transport):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256))
+    return model, Learner(model, GrpcTransport(proxy.address, **transport), "a")
+
+
+@pytest.mark.parametrize("timeout", [2.0, None])
+def test_finish_raises_naming_pushes_it_could_not_deliver(timeout):
+    with syncer_and_proxy(fragments=2, sync_every=4) as (syncer, proxy):
+        model, learner = joined_small(proxy, stall_timeout=1.0)
+        proxy.partition(60)  # the syncer is out of reach from now on
+        train(learner, model, 4)  # one push per fragment, neither answered
+        assert learner.transport.undelivered == 2
+        started = time.monotonic()
+        with pytest.raises(SyncerError) as e:
+            learner.transport.close(timeout)
+        waited = time.monotonic() - started
+        assert 1.0 <= waited < 15
+        within = "within 2 s" if timeout else "(nothing moved for 1 s)"
+        assert str(e.value).startswith(f"finish: 2 pushes not delivered {within} (fragments [1, 0]); the syncer is "
+                                       f"unreachable or the link is too slow")
+        learner.transport.close(timeout)  # closing again does nothing
+
+
+@pytest.mark.parametrize("timeout", [30.0, None])
+def test_finish_returns_once_every_push_is_answered(timeout):
+    with syncer_and_proxy(fragments=2, sync_every=4, latency_ms=50) as (syncer, proxy):
+        model, learner = joined_small(proxy, stall_timeout=5.0)
+        train(learner, model, 4)
+        assert learner.transport.undelivered >= 1  # still on their way through the 50 ms link
+        learner.transport.close(timeout)
+        assert learner.transport.undelivered == 0
+        wait_for(lambda: sum(syncer.status["versions"]) >= 2)  # both pushes merged
+
+
+class Denied(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.PERMISSION_DENIED
+
+    def details(self):
+        return "pushes are not allowed here"
+
+
+class RefusingPush:
+    def future(self, chunks):
+        raise Denied()
+
+
+def test_finish_raises_at_once_when_the_sender_failed_for_good():
+    with syncer_and_proxy(fragments=2, sync_every=4) as (syncer, proxy):
+        model, learner = joined_small(proxy)
+        learner.transport.stub.Push = RefusingPush()
+        train(learner, model, 2)  # pushes fragment 1, which is refused for good
+        wait_for(lambda: learner.transport.error is not None, timeout=10)
+        started = time.monotonic()
+        with pytest.raises(SyncerError) as e:
+            learner.transport.close(30)
+        assert time.monotonic() - started < 15  # nothing to wait for: the sender stopped
+        assert str(e.value) == ("finish: 1 push not delivered (fragments [1]): push of fragment 1 failed: pushes are "
+                                "not allowed here")
