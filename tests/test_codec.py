@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from diloco import codec
 from diloco.codec import BLOCK, CODECS, CorruptPayload, Encoded, ErrorFeedback, decode, encode, encoded_size
 
 
@@ -64,3 +65,19 @@ def test_error_feedback_carries_residual():
     true = sum(deltas)
     # with feedback the accumulated error is bounded by one step's error, without it it grows
     assert (sent - true).norm() < 0.5 * (plain - true).norm()
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_chunked_coding_matches_whole_and_differences_are_encoded_without_materialising(name, monkeypatch):
+    monkeypatch.setattr(codec, "CHUNK_BLOCKS", 3)  # many chunks, the last one partial
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    whole = codec.encode(a - b, name)
+    assert codec.encode_difference(a, b, name) == whole
+    monkeypatch.setattr(codec, "CHUNK_BLOCKS", 10_000)
+    assert codec.encode(a - b, name) == whole  # chunking does not change a payload
+    target = b.clone()
+    codec.decode_add(whole, target)
+    torch.testing.assert_close(target, b + codec.decode(whole), rtol=0, atol=0)
+    with pytest.raises(codec.CorruptPayload):
+        codec.decode_add(whole, torch.zeros(999))

@@ -29,7 +29,8 @@ class Encoded:
     checksum: int
 
 
-def checksum(data: bytes) -> int:
+def checksum(data) -> int:
+    """CRC-32 of any bytes-like object (a numpy array's buffer included, without copying it)."""
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
@@ -50,57 +51,117 @@ def encoded_size(numel: int, codec: str) -> int:
     return 4 * blocks + (values if codec == "int8" else values // 2)
 
 
+CHUNK_BLOCKS = 16_384
+"""Blocks encoded or decoded at a time (1M values): a fragment of any size needs only a few MB of temporaries."""
+
+
 def encode(x: torch.Tensor, codec: str) -> Encoded:
     """Encode a 1-D float tensor."""
-    check_codec(codec)
     x = x.detach().reshape(-1).to("cpu", torch.float32)
-    numel = x.numel()
-    if codec == "fp32":
-        data = x.numpy().tobytes()
-    elif codec == "bf16":
-        data = x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return _encode(x.numel(), lambda lo, hi: x[lo:hi], codec)
+
+
+def encode_difference(a: torch.Tensor, b: torch.Tensor, codec: str) -> Encoded:
+    """Encode a − b (two flat fp32 CPU tensors) without materialising the difference."""
+    if a.shape != b.shape:
+        raise ValueError(f"cannot encode the difference of {tuple(a.shape)} and {tuple(b.shape)} values")
+    return _encode(a.numel(), lambda lo, hi: a[lo:hi] - b[lo:hi], codec)
+
+
+def _encode(numel: int, values, codec: str) -> Encoded:
+    """`values(lo, hi)` gives the fp32 values lo..hi; they are encoded a chunk at a time."""
+    check_codec(codec)
+    step = CHUNK_BLOCKS * BLOCK
+    if codec in ("fp32", "bf16"):
+        parts = [_encode_plain(values(lo, min(lo + step, numel)), codec) for lo in range(0, numel, step)]
+        data = b"".join(parts)
     else:
-        levels = _LEVELS[codec]
-        blocks = -(-numel // BLOCK)
-        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
-        padded[:numel] = x
-        padded = padded.view(blocks, BLOCK)
-        scale = padded.abs().amax(dim=1) / levels
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(padded / safe[:, None]).clamp_(-levels, levels).to(torch.int8)
-        if codec == "int8":
-            body = q.numpy().tobytes()
-        else:
-            nibbles = (q + 8).to(torch.uint8).view(-1)  # 1..15, two per byte: even index low, odd index high
-            body = (nibbles[0::2] | (nibbles[1::2] << 4)).numpy().tobytes()
-        data = scale.numpy().tobytes() + body
+        scales, bodies = [], []
+        for lo in range(0, numel, step):
+            scale, body = _encode_blocks(values(lo, min(lo + step, numel)), _LEVELS[codec], codec)
+            scales.append(scale)
+            bodies.append(body)
+        data = b"".join(scales) + b"".join(bodies)
     return Encoded(codec, numel, data, checksum(data))
+
+
+def _encode_plain(x: torch.Tensor, codec: str) -> bytes:
+    if codec == "fp32":
+        return x.contiguous().numpy().tobytes()
+    return x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+
+
+def _encode_blocks(x: torch.Tensor, levels: int, codec: str) -> tuple[bytes, bytes]:
+    """Scales and quantised values of one chunk (a whole number of blocks except at the end, zero-padded)."""
+    blocks = -(-x.numel() // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+    padded[: x.numel()] = x
+    padded = padded.view(blocks, BLOCK)
+    scale = padded.abs().amax(dim=1) / levels
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(padded.div_(safe[:, None])).clamp_(-levels, levels).to(torch.int8)
+    if codec == "int8":
+        return scale.numpy().tobytes(), q.numpy().tobytes()
+    nibbles = (q + 8).to(torch.uint8).view(-1)  # 1..15, two per byte: even index low, odd index high
+    return scale.numpy().tobytes(), (nibbles[0::2] | (nibbles[1::2] << 4)).numpy().tobytes()
 
 
 def decode(payload: Encoded) -> torch.Tensor:
     """The flat fp32 tensor a payload stands for; raises CorruptPayload if it was damaged."""
+    _verify(payload)
+    if payload.codec == "fp32":  # the tensor owns a writable copy of the bytes: no second copy
+        return torch.frombuffer(bytearray(payload.data), dtype=torch.float32)
+    out = torch.empty(payload.numel, dtype=torch.float32)
+    for lo, hi, chunk in _decoded_chunks(payload):
+        out[lo:hi] = chunk
+    return out
+
+
+def decode_add(payload: Encoded, target: torch.Tensor) -> None:
+    """target += the values a payload stands for, in place, a chunk at a time (target: flat fp32 CPU)."""
+    _verify(payload)
+    if target.numel() != payload.numel:
+        raise CorruptPayload(f"payload of {payload.numel} values cannot be added to {target.numel()} values")
+    for lo, hi, chunk in _decoded_chunks(payload):
+        target[lo:hi] += chunk
+
+
+def _verify(payload: Encoded) -> None:
     check_codec(payload.codec)
     expected = encoded_size(payload.numel, payload.codec)
     if len(payload.data) != expected:
         raise CorruptPayload(f"{payload.codec} payload of {payload.numel} values must be {expected} bytes, got {len(payload.data)}")
     if checksum(payload.data) != payload.checksum:
         raise CorruptPayload("payload checksum mismatch: the bytes were damaged in transit")
-    buf = bytearray(payload.data)  # writable, so torch does not warn about read-only memory
-    if payload.codec == "fp32":
-        return torch.frombuffer(buf, dtype=torch.float32).clone()
-    if payload.codec == "bf16":
-        return torch.frombuffer(buf, dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
-    blocks = -(-payload.numel // BLOCK)
-    scale = torch.frombuffer(buf, dtype=torch.float32, count=blocks)
-    body = np.frombuffer(payload.data, dtype=np.uint8, offset=4 * blocks)
-    if payload.codec == "int8":
-        q = torch.from_numpy(body.view(np.int8).astype(np.float32))
-    else:
-        packed = torch.from_numpy(body.copy())
-        q = torch.empty(packed.numel() * 2, dtype=torch.float32)
-        q[0::2] = (packed & 0x0F).to(torch.float32) - 8
-        q[1::2] = (packed >> 4).to(torch.float32) - 8
-    return (q.view(blocks, BLOCK) * scale[:, None]).reshape(-1)[: payload.numel].clone()
+
+
+def _decoded_chunks(payload: Encoded):
+    """(lo, hi, fp32 values lo..hi) of a verified payload, a chunk at a time."""
+    numel, data, step = payload.numel, memoryview(payload.data), CHUNK_BLOCKS * BLOCK
+    if payload.codec in ("fp32", "bf16"):
+        width, dtype = (4, np.float32) if payload.codec == "fp32" else (2, np.int16)
+        for lo in range(0, numel, step):
+            hi = min(lo + step, numel)
+            raw = torch.from_numpy(np.frombuffer(data[lo * width : hi * width], dtype=dtype).copy())
+            yield lo, hi, raw if payload.codec == "fp32" else raw.view(torch.bfloat16).to(torch.float32)
+        return
+    blocks = -(-numel // BLOCK)
+    scales = np.frombuffer(data[: 4 * blocks], dtype=np.float32)
+    body = data[4 * blocks :]
+    per_block = BLOCK if payload.codec == "int8" else BLOCK // 2
+    for first in range(0, blocks, CHUNK_BLOCKS):
+        last = min(first + CHUNK_BLOCKS, blocks)
+        raw = np.frombuffer(body[first * per_block : last * per_block], dtype=np.uint8)
+        if payload.codec == "int8":
+            q = torch.from_numpy(raw.view(np.int8).astype(np.float32))
+        else:
+            packed = torch.from_numpy(raw.copy())
+            q = torch.empty(packed.numel() * 2, dtype=torch.float32)
+            q[0::2] = (packed & 0x0F).to(torch.float32) - 8
+            q[1::2] = (packed >> 4).to(torch.float32) - 8
+        scale = torch.from_numpy(scales[first:last].copy())
+        lo, hi = first * BLOCK, min(last * BLOCK, numel)
+        yield lo, hi, (q.view(last - first, BLOCK) * scale[:, None]).reshape(-1)[: hi - lo]
 
 
 class ErrorFeedback:

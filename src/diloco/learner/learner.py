@@ -360,27 +360,51 @@ class Learner:
     def _apply(self, p: int, reads_local: bool) -> None:
         """Write a merged fragment into the model (every rank calls this together in an island)."""
         fragment = self.layout[p]
-        local = self._local(fragment) if reads_local and (self.leader or self.sharded) else None
-        values = self._merged_values(self._slot[p], local) if self.leader else None
-        self._write(fragment, values)
+        if self.island is None:
+            self._apply_in_place(self._slot[p], reads_local)
+        else:
+            local = self._local(fragment) if reads_local and (self.leader or self.sharded) else None
+            values = self._merged_values(self._slot[p], local) if self.leader else None
+            self._write(fragment, values)
         self.applied += 1
 
+    def _apply_in_place(self, slot: FragmentSlot, reads_local: bool) -> None:
+        """Apply tensor by tensor, in place: no flat copy of the fragment on the training thread."""
+        values = to_device(slot.ready.values, self.device)
+        taken = slot.pushed[0].device() if reads_local and self.config.keep_overlap and slot.pushed else None
+        offset = 0
+        with torch.no_grad():
+            for spec, t in zip(slot.fragment.specs, self._tensors(slot.fragment)):
+                new = values[offset : offset + spec.numel].view(t.shape)
+                if taken is not None:  # θ ← Θ + (θ − θ at push): the steps taken since the push stay
+                    t.sub_(taken[offset : offset + spec.numel].view(t.shape)).add_(new)
+                elif reads_local:
+                    t.mul_(self.config.blend).add_(new, alpha=1 - self.config.blend)
+                else:
+                    t.copy_(new)
+                offset += spec.numel
+        self._settle(slot, keep=taken is not None)
+
     def _merged_values(self, slot: FragmentSlot, local: list[torch.Tensor] | None) -> torch.Tensor:
-        """The fragment's new values on the model's device; updates the slot."""
-        arrival = slot.ready
-        values, steps, tokens = to_device(arrival.values, self.device), 0, 0
+        """The fragment's new values as one flat vector on the model's device (islands broadcast it)."""
+        values = to_device(slot.ready.values, self.device)
+        keep = local is not None and self.config.keep_overlap and slot.pushed is not None
         if local is not None:
             now = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in local])
-            if self.config.keep_overlap and slot.pushed is not None:
-                taken, pushed_steps, pushed_tokens = slot.pushed
-                values = values + (now - taken.device())  # steps taken since the push stay
-                steps, tokens = slot.steps - pushed_steps, slot.tokens - pushed_tokens
+            if keep:
+                values = values + (now - slot.pushed[0].device())  # steps taken since the push stay
             else:
                 values = self.config.blend * now + (1 - self.config.blend) * values
+        self._settle(slot, keep)
+        return values
+
+    def _settle(self, slot: FragmentSlot, keep: bool) -> None:
+        """After an apply: the merged values are the new base; kept progress counts toward the next push."""
+        arrival = slot.ready
+        steps, tokens = (slot.steps - slot.pushed[1], slot.tokens - slot.pushed[2]) if keep else (0, 0)
         slot.base, slot.version = arrival.values, arrival.version
         slot.steps, slot.tokens, slot.pushed = steps, tokens, None
         slot.pushed_at, slot.ready = None, None
-        return values
 
     def _write(self, fragment: Fragment, flat: torch.Tensor | None) -> None:
         """Set the fragment's tensors to the leader's flat values (broadcast first in an island)."""
