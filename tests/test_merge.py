@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from diloco.merge import merge, rda, token_weight, weighted_mean
+from diloco.merge import StreamingMerge, merge, rda, token_weight, weighted_mean
 from diloco.outer import nesterov_step
 
 
@@ -101,3 +101,32 @@ def test_delayed_momentum_advances_once_per_full_share():
     share = delayed_nesterov_step(theta, torch.tensor([0.25]), v, pending, 0.5, share, lr=1.0, mu=0.5)
     # second half completes a share: v = 0.5, then the look-ahead −η·μ·v = −0.25
     assert share == 0.0 and v.item() == 0.5 and theta.item() == -0.75 and pending.item() == 0.0
+
+
+def stream(deltas, weights, segments, method):
+    acc = StreamingMerge(segments, method)
+    for d, w in zip(deltas, weights):
+        acc.add(d.clone(), w)
+    return acc.result()
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+@pytest.mark.parametrize("weights", [[3e6, 1.0, 5e5, 2e5], [0.0, 2.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [7.0]])
+def test_streaming_merge_equals_the_stacked_merge(method, weights):
+    g = torch.Generator().manual_seed(len(weights))
+    segments = [(300, True), (1000, False), (7, False), (64, False)]
+    deltas = [torch.randn(1371, generator=g) * (i + 1) for i in range(len(weights))]
+    deltas[0][1307:] = 0.0  # a tensor that did not move in one contribution: unit(0) = 0
+    expected = merge(deltas, weights, segments, method)
+    torch.testing.assert_close(stream(deltas, weights, segments, method), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_merge_of_one_contribution_is_that_contribution_exactly():
+    d = torch.randn(100)
+    assert torch.equal(stream([d], [5.0], [(50, True), (50, False)], "rda"), d)
+
+
+def test_streaming_merge_falls_back_to_the_mean_when_directions_cancel():
+    d = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([0.5, 0.0, 0.0])]
+    w = [1.0, 1.0, 1e-9]
+    torch.testing.assert_close(stream(d, w, [(3, False)], "rda"), merge(d, w, [(3, False)]), rtol=1e-5, atol=1e-7)

@@ -7,7 +7,7 @@ from diloco import codec
 from diloco.config import for_mode
 from diloco.fragments import TensorSpec, plan_fragments
 from diloco.learner.transport import Receiver
-from diloco.syncer.core import Refused, SyncerCore
+from diloco.syncer.core import Refused, SyncerCore, tensor_checksum
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 
@@ -20,12 +20,12 @@ class Clock:
         return self.now
 
 
-def make_core(learners=2, **overrides):
+def make_core(learners=2, specs=SPECS, **overrides):
     clock = Clock()
     cfg = for_mode("decoupled", learners, fragments=3, sync_every=6, codec="fp32", **overrides)
     core = SyncerCore(cfg, clock=clock)
-    flats = [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)]
-    core.initialize(SPECS, flats)
+    flats = [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(specs, 3)]
+    core.initialize(specs, flats)
     return core, clock
 
 
@@ -139,14 +139,24 @@ def test_duplicate_push_is_merged_at_most_once():
     assert core.fragments[1].pending["a"].tokens == 400
 
 
-def test_newer_push_replaces_older_keeping_counter_sum():
-    core, _ = make_core(grace=100.0)
+def test_a_second_push_from_a_pending_learner_closes_the_round_first():
+    # no contribution's Δ is kept, so the older one cannot be taken out of the sums: it is merged on its own
+    core, _ = make_core(grace=100.0, outer_momentum=0.0, outer_lr=1.0, scale_partial_rounds=False)
     s = core.join("a", SPECS)
     core.join("b", SPECS)
+    before = core.fragments[1].theta.clone()
     push(core, "a", s, 1, value=1.0, steps=2, tokens=200)
-    push(core, "a", s, 2, value=3.0, steps=4, tokens=400)
+    s2 = core.join("a", SPECS)  # a restarted process: its first session's contribution is still pending
+    push(core, "a", s2, 1, value=3.0, steps=4, tokens=400)
+    assert core.fragments[1].version == 1 and torch.allclose(core.fragments[1].theta, before - 1.0)
     c = core.fragments[1].pending["a"]
-    assert (c.steps, c.tokens) == (6, 600) and torch.all(c.delta == 3.0)
+    assert (c.session, c.steps, c.tokens, c.base_version) == (s2, 4, 400, 0)
+    assert core.next_wakeup() == 100.0
+    pubs = core.poll()  # the closed round's answer first; the new round stays open for b
+    assert [(p.learner, p.version, p.seq) for p in pubs] == [("a", 1, 1)] and core.fragments[1].pending
+    assert core.learners["a"].merged_seq == {f"{s}:1": 1}
+    core.poll(force=True)
+    assert torch.allclose(core.fragments[1].theta, before - 4.0) and core.fragments[1].version == 2
 
 
 def test_too_stale_contribution_is_refused_with_resync():
@@ -176,9 +186,92 @@ def test_downlink_changes_keep_learner_and_syncer_in_step(down):
         for pub in core.poll():
             assert receiver.accept(pub)
     held = receiver.drain(None)[-1].values
-    assert torch.equal(held, core.learners["a"].held[1])
+    assert torch.equal(held, core.fragments[1].values) and core.learners["a"].versions[1] == 7
     err = (held - core.fragments[1].theta).abs().max().item()
     assert err == 0.0 if down == "fp32" else err < 0.5
+
+
+def test_a_learner_behind_gets_the_chain_of_changes_it_missed_then_full_values():
+    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
+             TensorSpec("w2", (128,), "float32")]  # int8 changes of 640 values: about 1/4 of their fp32 size
+    core, _ = make_core(learners=2, specs=specs, grace=0.0, quorum=1, down_codec="int8")
+    assert core.fragments[1].fragment.numel == 640
+    sa, sb = core.join("a", specs), core.join("b", specs)
+    receivers = {lid: Receiver() for lid in "ab"}
+    for lid in "ab":
+        receivers[lid].reset(core.snapshot_for_join(lid))
+    g = torch.Generator().manual_seed(1)
+    n = core.fragments[1].fragment.numel
+
+    def round_of(lid, session, seq):
+        core.push(lid, session, seq, 1, core.fragments[1].version, 2, 200,
+                  codec.encode(torch.randn(n, generator=g), "fp32"))
+        pubs = core.poll(force=True)
+        for pub in pubs:
+            assert receivers[pub.learner].accept(pub)
+        return pubs
+
+    round_of("b", sb, 1)  # b at version 1, a still at 0
+    pubs = round_of("a", sa, 1)  # a missed version 1: a chain of two
+    assert [(p.version, p.full, p.seq) for p in pubs] == [(1, False, 0), (2, False, 1)]
+    pubs = round_of("a", sa, 2)
+    assert [(p.version, p.full, p.seq) for p in pubs] == [(3, False, 2)]
+    for seq in (2, 3):
+        round_of("a", sa, seq + 1)  # b falls 4 behind: longer than a chain smaller than full fp32 values
+    pubs = round_of("b", sb, 2)
+    assert [(p.version, p.full, p.seq) for p in pubs] == [(6, True, 2)]
+    round_of("a", sa, 5)
+    pubs = round_of("b", sb, 3)  # two behind: two int8 changes, only the last one is the answer
+    assert [(p.version, p.full, p.seq) for p in pubs] == [(7, False, 0), (8, False, 3)]
+    arrivals = receivers["b"].drain(None)
+    assert [(a.version, a.seq) for a in arrivals][-2:] == [(7, 0), (8, 3)]
+    assert torch.equal(receivers["b"].held[1], core.fragments[1].values) and core.learners["a"].versions[1] == 7
+    assert len(core.fragments[1].changes) == 3  # 4 int8 changes would be larger than full values
+
+
+def test_a_chain_link_is_never_applied_as_an_answer():
+    from diloco.learner.learner import Learner
+    from diloco.learner.transport import LocalSyncer, LocalTransport
+
+    cfg = for_mode("decoupled", 2, fragments=1, sync_every=1, overlap=0, codec="fp32", down_codec="int8", grace=0.0)
+    local = LocalSyncer(SyncerCore(cfg))
+    models = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    learners = [Learner(m, LocalTransport(local), f"l{i}") for i, m in enumerate(models)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(6):
+        for i in ([0, 0, 1] if step % 2 else [0]):  # l1 pushes every other step: chains of two reach it
+            opts[i].zero_grad()
+            models[i](torch.ones(1, 4)).sum().backward()
+            opts[i].step()
+            learners[i].step(10)
+    core, l1 = local.core, learners[1]
+    assert l1.applied == l1.pushes and core.learners["l1"].versions[0] == core.fragments[0].version
+    assert torch.equal(local.receivers["l1"].held[0], core.fragments[0].values)
+
+
+def test_join_resync_and_restart_send_the_published_values_in_full(tmp_path):
+    from diloco.syncer.store import StateStore
+
+    core, _ = make_core(learners=1, grace=0.0, down_codec="int4")
+    core.store = StateStore(tmp_path)
+    core.persist(range(len(core.fragments)))
+    s = core.join("a", SPECS)
+    for seq in (1, 2):
+        push(core, "a", s, seq, value=0.3)
+        core.poll()
+    fs = core.fragments[1]
+    assert not torch.equal(fs.values, fs.theta)  # int4 changes: the learners hold P, not Θ
+    core.join("b", SPECS)
+    snapshot = dict((i, v) for i, _, v in core.snapshot_for_join("b"))
+    assert torch.equal(snapshot[1], fs.values)
+    pub = core.resync("a", s, 1)
+    assert pub.full and pub.result_checksum == tensor_checksum(fs.values)
+    again, _ = make_core(learners=1, grace=0.0, down_codec="int4")
+    again.store = StateStore(tmp_path)
+    assert again.restore() and again.learners["a"].versions == {}
+    push(again, "a", s, 3, value=0.3)
+    (pub,) = again.poll()  # what a learner holds is unknown after a restart: full values
+    assert pub.full and pub.result_checksum == tensor_checksum(again.fragments[1].values)
 
 
 def test_token_budget_and_duration_stop_the_run():

@@ -117,7 +117,8 @@ def cmd_syncer(args) -> int:
     opts = ServerOptions(listen=args.listen, http=args.http, out=args.state, token=args.token,
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                         snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout)
+                         snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout,
+                         insecure=args.insecure, status_token=args.status_token)
     status = asyncio.run(serve(cfg, opts))
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
     return 0
@@ -178,7 +179,14 @@ def cmd_learner(args) -> int:
 
     from diloco.learner.grpc_transport import GrpcTransport
     from diloco.train.loop import WorkerOptions, run_learner
+    from diloco.wire.tls import plaintext_token_problem
 
+    tls = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
+    problem = plaintext_token_problem(args.syncer, args.token, tls)
+    if problem and not args.insecure:
+        raise UserError(problem)
+    if problem:
+        logging.getLogger("diloco.learner").warning("sending the run token to %s in plaintext (--insecure)", args.syncer)
     torch.set_num_threads(args.threads)
     cfg = train_config(args)
     device = learner_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -240,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
+    p.add_argument("--status-token", help="read-only secret for /status and /metrics beyond loopback "
+                                          "(`Authorization: Bearer ...`); loopback clients need none")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow --token (and /status's) to travel in plaintext beyond loopback, without TLS (warns)")
     p.add_argument("--sync-config", type=Path, help=argparse.SUPPRESS)  # resolved settings from `diloco run`
     add_sync_options(p, modes=("decoupled", "streaming", "diloco"))
     p.set_defaults(func=cmd_syncer)
@@ -268,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this PEM CA certificate")
     p.add_argument("--tls-cert", type=Path, help="client certificate for a syncer that requires one (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of the client --tls-cert")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow --token to travel in plaintext to a syncer beyond loopback, without TLS (warns)")
     add_train_options(p)
     p.set_defaults(func=cmd_learner)
 

@@ -61,3 +61,76 @@ def merge(deltas: list[torch.Tensor], weights: list[float], segments: list[tuple
         out[offset : offset + numel] = rule(part, w)
         offset += numel
     return out
+
+
+class StreamingMerge:
+    """One open round's merge, kept as running sums so that no contribution's Δ is stored: the result equals
+    `merge` over the same contributions up to float rounding (exactly for one contribution).
+
+    Per tensor: Σ w·Δ (the weighted mean, and RDA's fallback), and on RDA tensors Σ w·unit(Δ) and Σ w·‖Δ‖.
+    Weights are taken relative to the first positive one, so the sums stay at Δ's scale however large tokens²/steps
+    grows. Until some weight is positive every contribution counts equally (as `merge` does when Σ w = 0); the
+    first positive weight restarts the sums, which is exact since zero-weight contributions then count for nothing.
+    """
+
+    def __init__(self, segments: list[tuple[int, bool]], method: str = "rda"):
+        if method not in ("rda", "mean"):
+            raise ValueError(f"unknown merge method {method!r}; choose rda or mean")
+        self.segments = segments
+        self.rda = [method == "rda" and not embedding for _, embedding in segments]
+        self.count = 0
+        self.base = 0.0
+        """The weight others are taken relative to; 0 while no weight was positive."""
+        self.total = 0.0
+        self.sum: torch.Tensor | None = None
+        self.units: torch.Tensor | None = None
+        self.norms: list[float] = []
+
+    def add(self, delta: torch.Tensor, weight: float) -> None:
+        """Fold in one contribution; `delta` is taken over (not copied) when it is the first."""
+        self.count += 1
+        if weight > 0 and self.base == 0.0:
+            self.base = weight
+            self.sum, self.units, self.total = None, None, 0.0  # zero-weight contributions so far count for nothing
+        r = weight / self.base if self.base else 1.0
+        if r == 0.0:
+            return
+        if self.sum is None:  # kept as it is: one contribution merges to itself, with no rounding
+            self.sum, self.total = delta, r
+            return
+        if self.units is None and any(self.rda):
+            self.units, self.norms = torch.zeros_like(self.sum), [0.0] * len(self.segments)
+            self._add_units(self.sum, self.total)  # the first contribution's terms (its sum is r·Δ)
+        self.sum.add_(delta, alpha=r)
+        self.total += r
+        if self.units is not None:
+            self._add_units(delta, r)
+
+    def _add_units(self, delta: torch.Tensor, r: float) -> None:
+        offset = 0
+        for s, (numel, _) in enumerate(self.segments):
+            if self.rda[s]:
+                part = delta[offset : offset + numel]
+                norm = part.norm().item()
+                if norm > _EPS:  # unit(0) = 0
+                    self.units[offset : offset + numel].add_(part, alpha=r / norm)
+                    self.norms[s] += r * norm
+            offset += numel
+
+    def result(self) -> torch.Tensor:
+        """The merged Δ (the running sums are reused for it: call once)."""
+        if self.sum is None:
+            raise ValueError("nothing to merge")
+        out = self.sum.div_(self.total)  # exact for one contribution (÷ 1)
+        if self.units is None:
+            return out
+        offset = 0
+        for s, (numel, _) in enumerate(self.segments):
+            if self.rda[s]:
+                direction = self.units[offset : offset + numel].div_(self.total)
+                length = direction.norm().item()
+                if length > 1e-6:  # else the mean direction vanished: keep the weighted mean
+                    out[offset : offset + numel] = direction.mul_(self.norms[s] / self.total / length)
+            offset += numel
+        self.units = None
+        return out

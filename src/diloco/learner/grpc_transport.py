@@ -22,9 +22,11 @@ import grpc
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
+from diloco.learner import heap
 from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, Receiver, SyncerError
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.bounds import shown
 from diloco.wire.messages import GRPC_OPTIONS, Assembler, blobs, push_chunks, specs_to_proto, wire_size
 from diloco.wire.tls import channel_credentials
 
@@ -32,6 +34,32 @@ log = logging.getLogger("diloco.learner")
 MAX_BACKOFF = 2.0  # seconds between retries at most: a returning syncer is noticed within about that
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 SLOW = "the link is too slow or down (raise stall_timeout / --stall-timeout)"
+TLS_FAILURES = (  # (words in gRPC's UNAVAILABLE details, what the learner is told); first match wins
+    (("hostname verification", "peer name", "not in peer certificate"),
+     "the syncer's certificate does not name the host {host!r} this learner connects to: connect by a name or address "
+     "listed in the certificate (its subject alternative names), or reissue the syncer's --tls-cert for this host"),
+    (("certificate_verify_failed", "certificate verify failed", "unable to get local issuer", "self signed",
+      "self-signed", "certificate has expired", "certificate is not yet valid"),
+     "the syncer's certificate is not trusted: check that --tls-ca is the CA that signed the syncer's --tls-cert "
+     "(and that the certificate has not expired)"),
+    (("wrong_version_number", "http_request", "packet length too long"),
+     "the syncer does not speak TLS (was it started without --tls-cert?): drop --tls / --tls-ca, or start the "
+     "syncer with --tls-cert and --tls-key"),
+    (("handshake", "ssl_error", "tsi_", "ssl routines"),
+     "check --tls-ca against the CA of the syncer's certificate, the certificate's host name, and whether the "
+     "syncer uses TLS (and requires a client certificate: --tls-cert and --tls-key)"),
+)
+
+
+def tls_problem(details: str, address: str) -> str | None:
+    """What to do about a TLS handshake failure that gRPC reports as UNAVAILABLE `details`; None when it is not one."""
+    text = (details or "").lower()
+    for words, advice in TLS_FAILURES:
+        if any(w in text for w in words):
+            host = address.rsplit(":", 1)[0].strip("[]")
+            return (f"TLS handshake with the syncer at {address} failed — a TLS/certificate problem, not the network: "
+                    f"{advice.format(host=host)} ({details})")
+    return None
 
 
 def _mb(done: int, total: int = 0) -> str:
@@ -138,6 +166,13 @@ class GrpcTransport(HeartbeatNews):
     # ---- joining ------------------------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], initial) -> JoinInfo:
         self.learner_id = learner_id
+        from diloco.syncer.core import Refused, check_learner_id
+
+        try:  # the syncer refuses it too; saying so here is clearer (and a 20 KB id is no request to send)
+            check_learner_id(learner_id)
+        except Refused:
+            raise SyncerError(f"invalid learner id {shown(learner_id)}: use 1-64 letters, digits, '.', '_' or '-', "
+                              f"starting with a letter or digit") from None
         request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(specs), token=self.token)
         started = time.monotonic()
         deadline, delay, attempts = started + self.connect_timeout, 0.2, 0
@@ -152,7 +187,9 @@ class GrpcTransport(HeartbeatNews):
                     log.info("%s", e.details())
                     deadline = time.monotonic() + self.connect_timeout
                 elif code not in RETRYABLE and code != grpc.StatusCode.ALREADY_EXISTS:
-                    raise SyncerError(f"syncer at {self.address} refused learner {learner_id!r}: {e.details()}") from None
+                    raise SyncerError(f"syncer at {self.address} refused learner {shown(learner_id)}: {e.details()}") from None
+                elif self.tls and code == grpc.StatusCode.UNAVAILABLE and tls_problem(e.details(), self.address):
+                    raise SyncerError(tls_problem(e.details(), self.address)) from None  # retrying cannot fix it
                 elif time.monotonic() + delay > deadline:
                     raise self._join_failed(e, attempts, time.monotonic() - started) from None
                 else:  # unreachable, or ALREADY_EXISTS: the old session under this id may be ending (a crash)
@@ -181,17 +218,25 @@ class GrpcTransport(HeartbeatNews):
     def _join_failed(self, e: grpc.RpcError, attempts: int, seconds: float) -> SyncerError:
         """The error once connect_timeout is spent, for what the last attempt said."""
         if e.code() == grpc.StatusCode.ALREADY_EXISTS:
-            return SyncerError(f"syncer at {self.address} refused learner {self.learner_id!r}: {e.details()}")
+            return SyncerError(f"syncer at {self.address} refused learner {shown(self.learner_id)}: {e.details()}")
         if self._answered:  # the syncer is there: the connection keeps breaking
             return SyncerError(
                 f"lost the connection to the syncer at {self.address} while joining ({attempts} attempts over "
                 f"{seconds:.0f}s, last: {e.details()}); the link is unreliable or down — check the network, or raise "
                 f"connect_timeout / --connect-timeout")
+        closed = "socket closed" in (e.details() or "").lower()  # what a TLS mismatch often looks like
+        if closed and not self.tls:
+            hint = ("; the syncer closed every connection at once, which is what a TLS syncer does to a plaintext "
+                    "learner — a TLS problem: if the syncer uses TLS, pass --tls-ca (or --tls)")
+        elif closed:
+            hint = ("; the syncer closed every connection during the TLS handshake — a TLS/certificate problem: does it "
+                    "require a client certificate (pass --tls-cert and --tls-key)? Check --tls-ca too")
+        else:
+            hint = "" if self.tls else "; if the syncer uses TLS, pass --tls-ca"
         return SyncerError(
             f"cannot reach the syncer at {self.address} after {attempts} attempts over "
             f"{self.connect_timeout:.0f}s ({e.details()}); start it with `diloco syncer --listen {self.address}` "
-            f"or check the address, port and firewall"
-            + ("" if self.tls else "; if the syncer uses TLS, pass --tls-ca"))
+            f"or check the address, port and firewall" + hint)
 
     def _join_once(self, request: pb.JoinRequest) -> JoinInfo | pb.JoinHeader:
         """One Join from scratch: the model (JoinInfo), or the header alone when the syncer has no model yet."""
@@ -248,6 +293,12 @@ class GrpcTransport(HeartbeatNews):
         except Stalled:
             raise SyncerError(f"init stalled: nothing moved to or from the syncer at {self.address} for "
                               f"{self.stall_timeout:.0f} s after {progress.describe()} of the initial model; {SLOW}") from None
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.ABORTED or e.code() in RETRYABLE:  # lease passed on, or the link broke
+                log.info("upload of the initial model ended (%s: %s); joining again", e.code().name, e.details())
+                return
+            raise SyncerError(f"syncer at {self.address} refused the initial model from learner "
+                              f"{shown(request.learner_id)}: {e.details()}") from None
 
     # ---- background threads -------------------------------------------------------------------------------
     def _enqueue(self, job: PushJob) -> None:
@@ -268,9 +319,9 @@ class GrpcTransport(HeartbeatNews):
             if item is None or self._closing.is_set():
                 return
             ticket, job = item
-            payload = (self._ef.encode(job.fragment, job.delta, self.config.codec) if self.config.error_feedback
-                       else codec.encode(job.delta, self.config.codec))
+            payload = job.payload(self.config.codec, self._ef if self.config.error_feedback else None)
             reply = self._deliver(job, payload)
+            heap.release_after(4 * payload.numel)
             if reply is None:  # failed for good, or shutting down: the push stays undelivered
                 return
             del self._undelivered[ticket]
@@ -337,6 +388,8 @@ class GrpcTransport(HeartbeatNews):
                         self._fail(f"fragment {done.fragment} v{done.version} does not match the syncer's record of "
                                    f"what this learner holds; restart the learner to re-join")
                         return
+                    if done is not None:
+                        heap.release_after(4 * done.payload.numel)
                     delay = 0.2
                 if self._closing.is_set():
                     return

@@ -6,7 +6,6 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Protocol
 
 import torch
@@ -34,21 +33,32 @@ class JoinInfo:
 
 @dataclass(eq=False)
 class PushJob:
-    """One push: Δ = base − local is computed where it is first read (the sender thread), not on the training
-    thread, and after the local values have reached host memory."""
+    """One push. Δ = base − local is encoded where it is first needed (the sender thread), not on the training
+    thread, after the local values have reached host memory, and once: re-sends reuse the payload."""
 
     fragment: int
-    base: torch.Tensor
-    local: Snapshot
+    base: torch.Tensor | None
+    local: Snapshot | None
     base_version: int
     steps: int
     tokens: int
     seq: int
     data_position: int
+    _payload: codec.Encoded | None = None
 
-    @cached_property
+    @property
     def delta(self) -> torch.Tensor:
+        """Δ as a tensor (before the payload is made)."""
         return self.base - self.local.host()
+
+    def payload(self, codec_name: str, feedback: codec.ErrorFeedback | None = None) -> codec.Encoded:
+        if self._payload is None:
+            if feedback is not None:
+                self._payload = feedback.encode(self.fragment, self.delta, codec_name)
+            else:  # a chunk at a time: Δ of a big fragment is never held whole
+                self._payload = codec.encode_difference(self.base, self.local.host(), codec_name)
+            self.base = self.local = None  # the payload is all a re-send needs
+        return self._payload
 
 
 @dataclass(frozen=True)
@@ -114,9 +124,14 @@ class Receiver:
         self.held.pop(fragment, None)
 
     def accept(self, pub: Publication, refused: str = "") -> bool:  # or anything with Publication's fields
-        """Decode and queue one publication; False when its result does not match (a resync is needed)."""
-        change = codec.decode(pub.payload)
-        values = change if pub.full else self.held[pub.fragment] + change
+        """Decode and queue one publication; False when its result does not match (a resync is needed). A link of
+        a chain of changes (seq 0) updates what we hold and is queued like any other; the Learner applies only the
+        answer to the push it waits for, and pushes are numbered from 1."""
+        if pub.full:
+            values = codec.decode(pub.payload)
+        else:  # in place: a big fragment's change never needs a second copy of it. Nothing else reads these values
+            values = self.held[pub.fragment]  # until this answer is applied, and no push of it awaits encoding then
+            codec.decode_add(pub.payload, values)
         if tensor_checksum(values) != pub.result_checksum:
             return False
         if self.pin_memory:
@@ -158,6 +173,7 @@ class LocalTransport(HeartbeatNews):
 
     def __init__(self, local: LocalSyncer):
         self.local = local
+        self._feedback = codec.ErrorFeedback()
         self.learner_id = ""
         self.session = ""
         self._stop = False
@@ -173,7 +189,7 @@ class LocalTransport(HeartbeatNews):
             except Refused as e:
                 raise SyncerError(str(e)) from None
             receiver = self.local.receivers.setdefault(learner_id, Receiver())
-            fragments = [(i, v, values.clone()) for i, v, values in core.snapshot_for_join(learner_id)]
+            fragments = core.snapshot_for_join(learner_id)  # copies already
             receiver.reset(fragments)
             return JoinInfo(core.cfg, self.session, fragments, core.learners[learner_id].data_position)
 
@@ -182,7 +198,8 @@ class LocalTransport(HeartbeatNews):
         return self.local.receivers[self.learner_id]
 
     def push(self, job: PushJob) -> None:
-        payload = codec.encode(job.delta, self.local.core.cfg.codec)
+        cfg = self.local.core.cfg
+        payload = job.payload(cfg.codec, self._feedback if cfg.error_feedback else None)
         with self.local.lock:
             core = self.local.core
             result = core.push(self.learner_id, self.session, job.seq, job.fragment, job.base_version, job.steps,

@@ -19,7 +19,7 @@ import torch
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
-from diloco.merge import merge, token_weight
+from diloco.merge import StreamingMerge, token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, RoundState, decide
 from diloco.schedule import offset
@@ -31,6 +31,8 @@ from diloco.syncer.store import StateStore
 LEARNER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NORM_HISTORY = 32
 NORM_MIN_SAMPLES = 8
+WINDOW = 8
+"""Most downlink changes kept per fragment; fewer when together they would be as large as full fp32 values."""
 
 
 def check_learner_id(learner_id: str) -> str:
@@ -51,7 +53,6 @@ class Contribution:
     learner: str
     session: str
     seq: int
-    delta: torch.Tensor
     base_version: int
     steps: int
     tokens: int
@@ -70,8 +71,22 @@ class FragmentState:
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
     """Recent accepted contributions' norm per step: the running distribution outliers are judged against."""
     pending: dict[str, Contribution] = field(default_factory=dict)
+    merging: StreamingMerge | None = None
+    """The open round's running sums: pending contributions' Δ are folded in as they arrive, never stored."""
     opened_at: float | None = None
     quorum_at: float | None = None
+    published: torch.Tensor | None = None
+    """P_v, what every learner that received version v holds, kept only when a lossy down codec makes it differ
+    from Θ (None: P_v is Θ)."""
+    changes: deque = field(default_factory=deque)
+    """(w, encoded P_w − P_{w−1}, CRC-32 of P_w) for the latest versions w: chains for learners a few behind."""
+    checksum: tuple[int, int] | None = None
+    """(version, CRC-32 of P_version), computed once per version."""
+
+    @property
+    def values(self) -> torch.Tensor:
+        """P_v: what a learner holding the current version holds."""
+        return self.theta if self.published is None else self.published
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,8 @@ class Publication:
     result_checksum: int
     """CRC-32 of the fp32 values the learner must hold after applying, so drift is caught, never trained on."""
     seq: int = 0
-    """The push this answers; the learner ignores answers to pushes it no longer waits for."""
+    """The push this answers; the learner ignores answers to pushes it no longer waits for. 0 for the first links of
+    a chain of changes (and any other value it must hold without applying it), since learners number pushes from 1."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +114,7 @@ class PushResult:
 
 
 def tensor_checksum(x: torch.Tensor) -> int:
-    return codec.checksum(x.numpy().tobytes())
+    return codec.checksum(x.contiguous().numpy())  # the bytes in place: no copy of the fragment
 
 
 class SyncerCore:
@@ -122,6 +138,8 @@ class SyncerCore:
         """(seconds since start, fragment, version, contributors) of every closed round."""
         self.refusals: dict[str, int] = {}
         self.stopping = False
+        self._outbox: list[Publication] = []
+        """Publications of rounds closed outside `poll` (see `push`); the next poll returns them."""
 
     @property
     def policy(self):
@@ -193,13 +211,15 @@ class SyncerCore:
             record = LearnerRecord(learner_id, session, now, now)
             self.learners[learner_id] = record
         record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
-        record.held = {i: fs.theta.clone() for i, fs in enumerate(self.fragments)}
+        record.versions = {i: fs.version for i, fs in enumerate(self.fragments)}
         return session
 
     def snapshot_for_join(self, learner_id: str) -> list[tuple[int, int, torch.Tensor]]:
-        """(fragment, version, full values) for a joiner: exactly what `join` recorded it as holding."""
+        """(fragment, version, full values P_v) for a joiner, recorded as what it holds. Copies: the caller sends
+        them while later rounds change the fragments in place."""
         record = self.learners[learner_id]
-        return [(i, fs.version, record.held[i]) for i, fs in enumerate(self.fragments)]
+        record.versions = {i: fs.version for i, fs in enumerate(self.fragments)}
+        return [(i, fs.version, fs.values.clone()) for i, fs in enumerate(self.fragments)]
 
     def _record(self, learner_id: str, session: str) -> LearnerRecord:
         record = self.learners.get(learner_id)
@@ -291,10 +311,17 @@ class SyncerCore:
         record.pushes += 1
         if transfer_seconds:
             self.sync_avg.update(transfer_seconds)
-        older = fs.pending.get(learner_id)
-        if older is not None:  # a newer push replaces the older one, keeping the sum of their counters
-            steps, tokens = steps + older.steps, tokens + older.tokens
-        fs.pending[learner_id] = Contribution(learner_id, session, seq, delta, base_version, steps, tokens, data_position)
+        if learner_id in fs.pending:
+            # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
+            # to take it out again; docs/architecture.md, Syncer memory)
+            self._outbox.extend(self._close(fragment, fs))
+        c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position)
+        if fs.merging is None:
+            method = self.cfg.merge if fs.fragment.role == "params" else "mean"
+            fs.merging = StreamingMerge(segments(fs.fragment), method)
+        # the version cannot change while the round is open, so the weight is the one the round closes with
+        fs.merging.add(delta, token_weight(*self._counted(c), fs.version - base_version, self.cfg.staleness_decay))
+        fs.pending[learner_id] = c
         if fs.opened_at is None:
             fs.opened_at = self.clock()
         return PushResult(True)
@@ -341,13 +368,13 @@ class SyncerCore:
         """The current full fragment for a learner told to fetch it, as the answer to its push `seq`."""
         record = self._record(learner_id, session)
         fs = self.fragments[fragment]
-        record.held[fragment] = fs.theta.clone()
-        return Publication(learner_id, fragment, fs.version, codec.encode(fs.theta, "fp32"), True,
-                           tensor_checksum(fs.theta), seq)
+        record.versions[fragment] = fs.version
+        return Publication(learner_id, fragment, fs.version, codec.encode(fs.values, "fp32"), True,
+                           self._checksum(fs), seq)
 
     def poll(self, force: bool = False) -> list[Publication]:
         """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom."""
-        out: list[Publication] = []
+        out, self._outbox = self._outbox, []
         live, avg, now = self.live(), self.averages(), self.clock()
         for index, fs in enumerate(self.fragments):
             if not fs.pending:
@@ -362,8 +389,8 @@ class SyncerCore:
 
     def next_wakeup(self) -> float | None:
         """When `poll` may have something new to do without any new request."""
-        times = []
         live, avg, now = self.live(), self.averages(), self.clock()
+        times = [now] if self._outbox else []
         for index, fs in enumerate(self.fragments):
             if fs.pending:
                 d = self._decide(index, fs, live, avg, now)
@@ -427,10 +454,11 @@ class SyncerCore:
         started = self.clock()
         contributions = list(fs.pending.values())
         counted = [self._counted(c) for c in contributions]
-        weights = [token_weight(tokens, steps, fs.version - c.base_version, self.cfg.staleness_decay)
-                   for c, (tokens, steps) in zip(contributions, counted)]
         params = fs.fragment.role == "params"
-        delta = merge([c.delta for c in contributions], weights, segments(fs.fragment), self.cfg.merge if params else "mean")
+        delta, fs.merging = fs.merging.result(), None
+        lossy = self.cfg.down_codec != "fp32"
+        if lossy and fs.published is None:
+            fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
         share = self._round_share(contributions, [t for t, _ in counted]) if self.cfg.scale_partial_rounds and params else 1.0
         if share < 1.0:
             delta.mul_(share)
@@ -444,6 +472,8 @@ class SyncerCore:
         else:
             nesterov_step(fs.theta, delta, fs.momentum, self.cfg.outer_lr, self.cfg.outer_momentum)
         fs.version += 1
+        if lossy:
+            self._publish_change(fs)
         fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
         self.rounds += 1
         for c, (tokens, _) in zip(contributions, counted):
@@ -460,7 +490,8 @@ class SyncerCore:
         if self.store is not None:
             self.store.append_round(entry)
         self.persist([index])  # durable before it is published
-        out = [self._publication(self.learners[c.learner], index, fs, c.seq) for c in contributions]
+        full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
+        out = [pub for c in contributions for pub in self._downlink(self.learners[c.learner], index, fs, c.seq, full)]
         self.sync_avg.update(self.clock() - started)
         return out
 
@@ -482,15 +513,35 @@ class SyncerCore:
         missing = sum(self.learners[i].contribution_tokens.value or fallback for i in self.live() - present)
         return tokens / (tokens + missing)
 
-    def _publication(self, record: LearnerRecord, index: int, fs: FragmentState, seq: int) -> Publication:
-        held = record.held.get(index)
-        if self.cfg.down_codec == "fp32" or held is None:
-            record.held[index] = fs.theta.clone()
-            payload, full = codec.encode(fs.theta, "fp32"), True
-        else:
-            payload, full = codec.encode(fs.theta - held, self.cfg.down_codec), False
-            held.add_(codec.decode(payload))  # exactly what the learner will compute
-        return Publication(record.id, index, fs.version, payload, full, tensor_checksum(record.held[index]), seq)
+    def _publish_change(self, fs: FragmentState) -> None:
+        """P_v = P_{v−1} + decode(encode(Θ_v − P_{v−1})): the change every learner holding P_{v−1} applies."""
+        change = codec.encode_difference(fs.theta, fs.published, self.cfg.down_codec)
+        codec.decode_add(change, fs.published)  # the same fp32 sum the learner's Receiver computes
+        fs.checksum = (fs.version, tensor_checksum(fs.published))
+        fs.changes.append((fs.version, change, fs.checksum[1]))
+        # a chain is worth sending only while it is smaller than full values; older changes would never be sent
+        full = codec.encoded_size(fs.fragment.numel, "fp32")
+        while len(fs.changes) > WINDOW or (len(fs.changes) > 1 and sum(len(c.data) for _, c, _ in fs.changes) >= full):
+            fs.changes.popleft()
+
+    def _checksum(self, fs: FragmentState) -> int:
+        if fs.checksum is None or fs.checksum[0] != fs.version:
+            fs.checksum = (fs.version, tensor_checksum(fs.values))
+        return fs.checksum[1]
+
+    def _downlink(self, record: LearnerRecord, index: int, fs: FragmentState, seq: int,
+                  full: list[codec.Encoded]) -> list[Publication]:
+        """What takes `record`'s learner from the version it holds to P_v: the changes it misses, in order, when they
+        are all still kept (only the last answers `seq`), else full values (encoded once into `full`)."""
+        held, v = record.versions.get(index), fs.version
+        record.versions[index] = v
+        chain = [link for link in fs.changes if held is not None and link[0] > held]
+        if chain and chain[0][0] == held + 1:
+            return [Publication(record.id, index, w, change, False, crc, seq if w == v else 0)
+                    for w, change, crc in chain]
+        if not full:
+            full.append(codec.encode(fs.values, "fp32"))
+        return [Publication(record.id, index, v, full[0], True, self._checksum(fs), seq)]
 
     # ---- durability ---------------------------------------------------------------------------------------
     def persist(self, changed) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from diloco.policy import MovingAverage
 
 
@@ -36,8 +34,9 @@ class LearnerRecord:
     """Typical tokens per merged contribution: how much a round misses when this learner is not in it."""
     last_push: tuple[float, int] | None = None
     """(clock time, fragment) of its latest push: its phase in the push schedule."""
-    held: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per fragment, the exact values this learner holds as its base: what downlink changes are taken against."""
+    versions: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the version v of the published values P_v this learner holds: downlink changes start there.
+    Not saved: after a restart every learner gets full values once (it may have missed what was being sent)."""
     merged_seq: dict[str, int] = field(default_factory=dict)
     """Highest merged push sequence number per "session:fragment": a re-sent push is merged at most once."""
 

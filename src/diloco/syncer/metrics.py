@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+MAX_REASONS = 32
+"""Distinct `reason` labels of diloco_refusals; later new ones count as "other" (labels must not grow unbounded)."""
+
+
+def reason_label(reason: str) -> str:
+    """A short, bounded label for a refusal reason: its text before the first ':' with numbers and quoted values
+    left out ("contribution based on version 7 of fragment 3 ..." is "stale"), at most 40 characters."""
+    if reason.startswith("contribution based on version"):
+        return "stale"
+    text = reason.split(":")[0]
+    text = re.sub(r"'[^']*'|\"[^\"]*\"|\d+", "", text)
+    return " ".join(text.split())[:40] or "other"
 
 
 class SyncerMetrics:
@@ -16,6 +31,16 @@ class SyncerMetrics:
         self.live = Gauge("diloco_live_learners", "learners heard from within the absence timeout", registry=r)
         self.tokens_trained = Gauge("diloco_tokens_trained", "tokens learners report having trained on", registry=r)
         self.tokens_merged = Gauge("diloco_tokens_merged", "tokens whose effect reached the global model", registry=r)
+        self._reasons: set[str] = set()
+
+    def refused(self, reason: str) -> None:
+        """Count one refusal under a bounded label (see reason_label)."""
+        label = reason_label(reason)
+        if label not in self._reasons:
+            if len(self._reasons) >= MAX_REASONS:
+                label = "other"
+            self._reasons.add(label)
+        self.refusals.labels(label).inc()
 
     def observe_rounds(self, core) -> None:
         self.rounds.set(core.rounds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -21,8 +22,9 @@ from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
 from diloco.syncer.store import StateStore
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.bounds import json_safe
 from diloco.wire.messages import SERVER_OPTIONS
-from diloco.wire.tls import server_credentials
+from diloco.wire.tls import is_loopback, server_credentials
 
 log = logging.getLogger("diloco.syncer")
 
@@ -53,21 +55,85 @@ class ServerOptions:
     """Seconds the learner uploading the initial model may send nothing before another joiner takes over."""
     snapshot_seconds: float = 0.0
     """Save the global model this often into out/snapshots (0: never) — the eval-loss curve is drawn from them."""
+    insecure: bool = False
+    """Allow the token to travel in plaintext beyond loopback (no TLS; a warning is logged)."""
+    status_token: str | None = None
+    """Read-only secret for /status and /metrics beyond loopback (besides the run token)."""
+
+
+HTTP_TIMEOUT = 10.0
+"""Seconds an HTTP client may take to send its request or read the reply before its connection is closed."""
+
+
+def exposure_problems(opts: ServerOptions) -> tuple[list[str], list[str]]:
+    """What the listening addresses expose: (errors that refuse to start, warnings to log). Loopback is trusted;
+    beyond it the gRPC port needs the run token, and the token must not travel in plaintext unless `insecure`."""
+    errors, warnings = [], []
+    if not is_loopback(opts.listen):
+        if not opts.token:
+            errors.append(f"listening on {opts.listen} (beyond loopback) needs a shared secret: pass --token")
+        elif opts.tls_cert is None:
+            text = (f"listening on {opts.listen} (beyond loopback) without TLS: the run token and the model travel "
+                    f"in plaintext")
+            if opts.insecure:
+                warnings.append(text + " (--insecure)")
+            else:
+                errors.append(text + "; pass --tls-cert and --tls-key, or --insecure to accept that")
+    if opts.http and not is_loopback(opts.http):
+        if not (opts.token or opts.status_token):
+            errors.append(f"serving /status and /metrics on {opts.http} (beyond loopback) needs a secret: pass "
+                          f"--status-token (or --token), or bind --http to 127.0.0.1")
+        elif not opts.status_token:
+            text = (f"/status and /metrics on {opts.http} are plaintext HTTP: remote readers would send the run token "
+                    f"in the clear")
+            if opts.insecure:
+                warnings.append(text + " (--insecure)")
+            else:
+                errors.append(text + "; pass a separate read-only --status-token, or --insecure to accept that")
+    return errors, warnings
+
+
+def http_authorized(client_host: str, authorization: str | None, tokens: list[str]) -> bool:
+    """May this HTTP request read /status or /metrics? Loopback clients always; others with `Authorization: Bearer
+    <token>` naming one of `tokens` (the run token, the read-only status token)."""
+    if is_loopback(f"{client_host}:0"):
+        return True
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return False
+    given_bytes = given.strip().encode()
+    return any(hmac.compare_digest(given_bytes, t.encode()) for t in tokens if t)
+
+
+def status_json(status: dict) -> bytes:
+    """/status as strict JSON: NaN and infinities become null, session ids (learners' credentials) are left out."""
+    return json.dumps(json_safe(dict(status)), allow_nan=False).encode()
 
 
 def save_model(core: SyncerCore, path: Path, **metadata) -> None:
     save_tensors(path, core.params(), metadata)
 
 
-def _http_server(address: str, service: SyncerService, status: dict) -> ThreadingHTTPServer:
+def _http_server(address: str, service: SyncerService, status: dict, tokens: list[str]) -> ThreadingHTTPServer:
     host, port = address.rsplit(":", 1)
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = HTTP_TIMEOUT  # a slow or silent client cannot hold its thread forever
+
         def do_GET(self):  # noqa: N802 (http.server's naming)
+            if not http_authorized(self.client_address[0], self.headers.get("Authorization"), tokens):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", "Bearer")
+                body = b"beyond loopback /status and /metrics need Authorization: Bearer <--status-token or --token>\n"
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if self.path.startswith("/metrics"):
                 body, kind = service.metrics.exposition(), "text/plain; version=0.0.4"
             elif self.path.startswith("/status"):
-                body, kind = json.dumps(status).encode(), "application/json"
+                body, kind = status_json(status), "application/json"
             else:
                 self.send_error(404, "try /status or /metrics")
                 return
@@ -80,20 +146,20 @@ def _http_server(address: str, service: SyncerService, status: dict) -> Threadin
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer((host, int(port)), Handler)
+    server = ThreadingHTTPServer((host.strip("[]"), int(port)), Handler)
     threading.Thread(target=server.serve_forever, name="syncer-http", daemon=True).start()
     return server
 
 
-def is_loopback(listen: str) -> bool:
-    host = listen.rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1")
-
-
-async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None = None, on_status=None) -> dict:
-    """Serve until `stop` is set (or SIGINT/SIGTERM); returns the final status."""
-    if not is_loopback(opts.listen) and not opts.token:
-        raise ValueError(f"listening on {opts.listen} (beyond loopback) needs a shared secret: pass --token")
+async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None = None, on_status=None,
+                on_service=None) -> dict:
+    """Serve until `stop` is set (or SIGINT/SIGTERM); returns the final status. `on_service(service)` is called
+    once the service exists (tests reach the core through it)."""
+    errors, warnings = exposure_problems(opts)
+    if errors:
+        raise ValueError("; ".join(errors))
+    for warning in warnings:
+        log.warning("%s", warning)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -107,6 +173,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
     metrics = SyncerMetrics()
     service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout)
+    if on_service:
+        on_service(service)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SyncerServicer_to_server(service, server)
     credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
@@ -117,7 +185,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         raise OSError(f"cannot listen on {opts.listen}: {e} (is another syncer running there?)") from None
     await server.start()
     status: dict = {}
-    http = _http_server(opts.http, service, status) if opts.http else None
+    http = _http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""]) if opts.http else None
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
     log.info("syncer listening on %s (gRPC port %d%s, HTTP %s), mode %s", opts.listen, port,
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)
@@ -186,13 +254,18 @@ class SyncerThread:
         async def main():
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             self.status: dict = {}
-            self.result.update(await serve(cfg, opts, self._stop, on_status=self._on_status))
+            self.result.update(await serve(cfg, opts, self._stop, on_status=self._on_status,
+                                           on_service=self._on_service))
 
         try:
             asyncio.run(main())
         except BaseException as e:  # surfaced to the starting thread
             self.error = e
             self._ready.set()
+
+    def _on_service(self, service: SyncerService) -> None:
+        self.service = service
+        """The gRPC service (its `core` is the syncer's state): for tests, read-only from outside its threads."""
 
     def _on_status(self, status: dict) -> None:
         self.status = status

@@ -3,14 +3,22 @@
 Threading: the event loop serves RPCs; every SyncerCore call runs on one worker thread (`_core`), so the core is
 single-threaded and a long merge never stalls heartbeats or transfers. The service's own state (update queues, open
 update streams, the initial-upload lease) is touched only on the event loop.
+
+Untrusted input: every request is checked here before the core sees it (wire/bounds.py): counters within bounds,
+floats finite, a push authenticated by its learner's session and sized before any of its data is buffered, client
+streams that send nothing for `stall_timeout` ended. Whatever a request holds, the answer is a status naming what
+was wrong (INVALID_ARGUMENT, UNAUTHENTICATED, FAILED_PRECONDITION), never UNKNOWN.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import inspect
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,22 +27,119 @@ from diloco import codec
 from diloco.syncer.core import Publication, Refused, SyncerCore, check_learner_id
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
+from diloco.wire import bounds
 from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.bounds import shown
 from diloco.wire.messages import Assembler, blobs, specs_from_proto, wire_size
 
 log = logging.getLogger("diloco.syncer")
+BAD_INPUT = (ValueError, KeyError, IndexError, OverflowError, TypeError, codec.CorruptPayload)
+"""What bad input makes the code below raise; each becomes INVALID_ARGUMENT naming it, never UNKNOWN."""
+MAX_DETAILS = 1000
+"""Characters of an error's text in a status: gRPC refuses trailers over 16 KB (the client would see that instead)."""
+
+
+def _short(details: str) -> str:
+    return details if len(details) <= MAX_DETAILS else details[:MAX_DETAILS] + f"… ({len(details)} characters)"
+
+
+class _Context:
+    """The RPC's context, with every abort's message cut to MAX_DETAILS (it may quote what the client sent)."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    async def abort(self, code, details: str = "", trailing_metadata=()):
+        await self._context.abort(code, _short(details), trailing_metadata)
+
+
+def _guarded(method):
+    """An RPC handler whose unexpected exceptions from bad input become INVALID_ARGUMENT with their message, and
+    whose status messages are never longer than MAX_DETAILS."""
+    rpc = method.__name__
+
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            context = _Context(context)
+            replies = method(self, request, context)
+            try:
+                try:
+                    async for reply in replies:
+                        yield reply
+                except BAD_INPUT as e:
+                    await self._bad_input(context, rpc, e)
+            finally:
+                await replies.aclose()  # runs the handler's own clean-up now (its open-stream count)
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        context = _Context(context)
+        try:
+            return await method(self, request, context)
+        except BAD_INPUT as e:
+            await self._bad_input(context, rpc, e)
+    return unary
+
+
+IDLE = object()
+"""Yielded by SyncerService._chunks when a client stream sent nothing for stall_timeout."""
+INIT_IDLE_STALLS = 10
+"""An Init stream idle this many stall timeouts is ended (its lease passes on after one, as before)."""
+
+
+def _publication(item):
+    return item[0] if isinstance(item, tuple) else item
+
+
+class UpdateQueue:
+    """One learner's outgoing merged fragments and resyncs, bounded whether or not anybody reads them.
+
+    Full values for a fragment supersede everything queued for it (the learner ends up holding exactly them, which
+    is what the core recorded), so repeated refusals of one fragment keep one fp32 copy, not one each. Beyond
+    `limit` items (a client that pushes but never subscribes) the oldest is dropped."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.dropped = 0
+        self._items: deque = deque()
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item) -> None:
+        if item is not None:
+            pub = _publication(item)
+            if pub.full:
+                self._items = deque(i for i in self._items if i is None or _publication(i).fragment != pub.fragment)
+            while len(self._items) >= self.limit:
+                self._items.popleft()
+                self.dropped += 1
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self):
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def qsize(self) -> int:
+        return len(self._items)
 
 
 class SyncerService(pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0):
         """`stall_timeout`: seconds the learner uploading the initial model may send nothing before another joiner
-        takes the upload over."""
+        takes the upload over; also how long any client stream (Init, Push) may send nothing before it is ended."""
         self.core = core
         self.metrics = metrics
         self.token = token
         self.stall_timeout = stall_timeout
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncer-core")
-        self._queues: dict[str, asyncio.Queue[Publication | None]] = {}
+        self._queues: dict[str, UpdateQueue] = {}
         self._streams: dict[tuple[str, str], int] = {}
         """Open Subscribe streams per (learner, session): a learner with one open is connected to this syncer."""
         self._init_owner: str | None = None
@@ -44,6 +149,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._init_active_at = 0.0
         """When the lease owner last made progress (the grant, or an Init chunk received)."""
         self.wake = asyncio.Event()
+        self._samples: dict[str, tuple[str, bounds.Sample]] = {}
+        """Per learner: (session, its last accepted heartbeat counters), for the rate bound on them."""
+        self._warned: set[tuple[str, str]] = set()
 
     async def _core(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
@@ -55,13 +163,54 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.metrics.wire_bytes.labels("sent").inc(wire_size(message))
         return message
 
+    async def _bad_input(self, context, rpc: str, e: BaseException) -> None:
+        self.metrics.refused("bad input")
+        text = _short(str(e) or type(e).__name__)
+        log.warning("refused a %s request: %s", rpc, text)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {rpc} request: {text}")
+
+    async def _refuse(self, context, code: grpc.StatusCode, label: str, message: str) -> None:
+        self.metrics.refused(label)
+        await context.abort(code, message)
+
+    async def _chunks(self, request_iterator, context):
+        """The client stream's messages, and IDLE each time none arrived for stall_timeout: the caller ends the
+        stream then (`_idle`), so a slow or silent client cannot hold a stream and its buffers forever."""
+        messages = request_iterator.__aiter__()
+        while True:
+            # the read is never cancelled (that would break the stream): an idle period leaves it pending
+            read = asyncio.ensure_future(messages.__anext__())
+            try:
+                while not (await asyncio.wait({read}, timeout=self.stall_timeout))[0]:
+                    yield IDLE
+                try:
+                    message = read.result()
+                except StopAsyncIteration:
+                    return
+            finally:
+                if not read.done():
+                    read.cancel()  # the handler ended the stream while waiting
+            yield message
+
+    async def _idle(self, context, what: str, seconds: float) -> None:
+        await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "idle stream",
+                           f"{what}: nothing arrived for {seconds:.0f} s; the syncer ended the stream")
+
     async def _check_token(self, context, token: str) -> None:
         if self.token and not hmac.compare_digest(self.token.encode(), token.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token: pass the syncer's --token")
 
-    def _queue(self, learner_id: str) -> asyncio.Queue:
+    def _new_queue(self) -> UpdateQueue:
+        # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
+        # never reads reaches this
+        return UpdateQueue(16 * max(len(self.core.fragments), self.core.cfg.fragments) + 64)
+
+    def _queue(self, learner_id: str) -> UpdateQueue:
         """The learner's update queue; created on demand for learners restored from saved state."""
-        return self._queues.setdefault(learner_id, asyncio.Queue())
+        queue = self._queues.get(learner_id)
+        if queue is None:
+            queue = self._queues[learner_id] = self._new_queue()
+        return queue
 
     def deliver(self, publications: list[Publication]) -> None:
         for pub in publications:
@@ -106,13 +255,11 @@ class SyncerService(pb_grpc.SyncerServicer):
         return header
 
     # ---- RPCs ---------------------------------------------------------------------------------------------
+    @_guarded
     async def Join(self, request, context):
         self._count_in(request)
         await self._check_token(context, request.token)
-        try:
-            check_learner_id(request.learner_id)
-        except Refused as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await self._check_id(context, request.learner_id)
         try:
             specs = specs_from_proto(request.specs)
         except ValueError as e:
@@ -135,8 +282,10 @@ class SyncerService(pb_grpc.SyncerServicer):
         old = self._queues.get(request.learner_id)
         if old is not None:
             old.put_nowait(None)  # ends the previous session's stream
-        self._queues[request.learner_id] = asyncio.Queue()
-        log.info("learner %s joined (session %s)", request.learner_id, session)
+        self._queues[request.learner_id] = self._new_queue()
+        # a new Learner's counters start at 0: its heartbeats may grow them only at a plausible rate from here
+        self._samples[request.learner_id] = (session, bounds.Sample(0, 0, time.monotonic()))
+        log.info("learner %s joined", request.learner_id)
         total = sum(codec.encoded_size(values.numel(), "fp32") for _, _, values in snapshot)
         header = pb.JoinHeader(session=session, config_json=self.core.cfg.to_json(), fragments=len(snapshot),
                                data_position=record.data_position, total_bytes=total)
@@ -146,16 +295,27 @@ class SyncerService(pb_grpc.SyncerServicer):
                 yield self._count_out(pb.JoinReply(blob=blob))
         self.wake.set()
 
+    @_guarded
     async def Init(self, request_iterator, context):
-        first, lease = None, 0
+        first, lease, idle = None, 0, 0
+        chunks = self._chunks(request_iterator, context)
         try:
-            async for chunk in request_iterator:
+            async for chunk in chunks:
+                if chunk is IDLE:  # the lease passes on when another learner joins (_take_init_lease)
+                    idle += 1
+                    if self.core.initialized:
+                        return self._count_out(pb.InitReply())  # another upload won: the rest is not needed
+                    if idle >= INIT_IDLE_STALLS:
+                        await self._idle(context, "initial model upload", idle * self.stall_timeout)
+                    continue
+                idle = 0
                 self._count_in(chunk)
                 if first is None:  # checked before anything is buffered
                     first = await self._admit_init(chunk, context)
                     if self.core.initialized:
                         return self._count_out(pb.InitReply())  # another upload won: nothing to receive
-                    lease, flats, assembler = self._init_lease, {}, Assembler()
+                    budget, received = self._init_budget(first), 0
+                    lease, flats, assembler = self._init_lease, {}, Assembler(max_payload_bytes=budget)
                     self._init_active_at = time.monotonic()
                     continue
                 if self.core.initialized:
@@ -164,6 +324,10 @@ class SyncerService(pb_grpc.SyncerServicer):
                 self._init_active_at = time.monotonic()  # progress: the lease stays with this upload
                 if not chunk.HasField("blob"):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Init carries one JoinRequest, first")
+                received += len(chunk.blob.data)
+                if received > budget:
+                    await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "oversized",
+                                       f"initial parameters exceed the {budget} bytes its tensor specs describe")
                 try:
                     done = assembler.add(chunk.blob)
                     if done is not None:
@@ -184,17 +348,29 @@ class SyncerService(pb_grpc.SyncerServicer):
                 log.info("global model initialised from learner %s (%d fragments)", first.learner_id, len(self.core.fragments))
             return self._count_out(pb.InitReply())
         finally:
+            await chunks.aclose()  # a read still pending ends with the stream
             if self.core.initialized:
                 self._init_owner = None
             elif first is not None and self._init_lease == lease and self._init_owner == first.learner_id:
                 log.warning("learner %s's upload of the initial model failed; the next joiner uploads it", first.learner_id)
                 self._init_owner = None  # failed: the lease passes to the next joiner
 
+    def _init_budget(self, request: pb.JoinRequest) -> int:
+        """Bytes an initial upload may carry: every tensor its specs name, in fp32, plus slack per fragment."""
+        numel = 0
+        for spec in specs_from_proto(request.specs):
+            size = 1
+            for d in spec.shape:
+                size *= max(int(d), 0)
+            numel += size
+        return codec.encoded_size(numel, "fp32") + (self.core.cfg.fragments + 2) * 4096
+
     async def _admit_init(self, chunk, context) -> pb.JoinRequest:
         """The first Init chunk: the uploader's JoinRequest, with the run token, from the lease owner."""
         if not chunk.HasField("request"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Init must start with the learner's JoinRequest")
         await self._check_token(context, chunk.request.token)
+        await self._check_id(context, chunk.request.learner_id)
         if not self.core.initialized:
             await self._check_init_lease(chunk.request.learner_id, self._init_lease, context)
         return chunk.request
@@ -208,30 +384,71 @@ class SyncerService(pb_grpc.SyncerServicer):
         else:
             why = f"learner {self._init_owner} uploads it"
         await context.abort(grpc.StatusCode.ABORTED,
-                            f"learner {learner_id!r} may not upload the initial model now ({why}); join again")
+                            f"learner {shown(learner_id)} may not upload the initial model now ({why}); join again")
 
+    async def _check_id(self, context, learner_id: str) -> None:
+        try:
+            check_learner_id(learner_id)
+        except Refused:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid learner id", (
+                f"invalid learner id {shown(learner_id)}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
+                f"letter or digit"))
+
+    async def _authenticate(self, context, learner_id: str, session: str) -> None:
+        """The learner's session is its credential for Push, Subscribe, Heartbeat and Leave (a read-only lookup)."""
+        record = self.core.learners.get(learner_id)
+        if record is None:
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner",
+                               f"unknown learner {shown(learner_id)}: join first")
+        if not hmac.compare_digest(record.session.encode(), session.encode()):
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "stale session",
+                               f"stale or wrong session for learner {shown(learner_id)}: it re-joined elsewhere; join again")
+
+    async def _admit_push(self, header, context) -> None:
+        """A push's header, before any of its data is buffered: the learner's session, counters in bounds, the
+        fragment and the payload's size."""
+        await self._authenticate(context, header.learner_id, header.session)
+        try:
+            bounds.check_push_header(header)
+        except bounds.OutOfBounds as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "out of bounds", str(e))
+        try:
+            bounds.check_fragment(header.fragment, len(self.core.fragments))
+            limit = self.core.payload_limit(header.fragment, header.codec)
+        except ValueError as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad fragment or codec", f"bad push header: {e}")
+        if header.total_bytes > limit:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "oversized",
+                               f"push of {header.total_bytes} bytes for fragment {header.fragment} exceeds "
+                               f"its {limit}-byte size (wrong fragment, codec or model)")
+
+    @_guarded
     async def Push(self, request_iterator, context):
+        chunks = self._chunks(request_iterator, context)
+        try:
+            return await self._push(chunks, context)
+        finally:
+            await chunks.aclose()  # a read still pending ends with the stream
+
+    async def _push(self, chunks, context):
         started = time.monotonic()
-        header, parts = None, []
-        async for chunk in request_iterator:
+        header, parts, received = None, [], 0
+        async for chunk in chunks:
+            if chunk is IDLE:  # the learner retries with the same sequence number
+                await self._idle(context, "push", self.stall_timeout)
             self._count_in(chunk)
             if chunk.HasField("header"):
+                if header is not None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push carries one header, first")
+                await self._admit_push(chunk.header, context)
                 header = chunk.header
-                try:
-                    limit = self.core.payload_limit(header.fragment, header.codec)
-                except ValueError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                if header.total_bytes > limit:
-                    self.metrics.refusals.labels("oversized").inc()
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"push of {header.total_bytes} bytes for fragment {header.fragment} exceeds "
-                                        f"its {limit}-byte size (wrong fragment, codec or model)")
+            elif header is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push data before its header")
             else:
-                if header is None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push data before its header")
-                parts.append(chunk.data)
-                if header is not None and sum(map(len, parts)) > header.total_bytes:
+                received += len(chunk.data)
+                if received > header.total_bytes:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push payload longer than its header says")
+                parts.append(chunk.data)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push without a header")
         payload = codec.Encoded(header.codec, header.numel, b"".join(parts), header.checksum)
@@ -241,26 +458,31 @@ class SyncerService(pb_grpc.SyncerServicer):
                 header.steps, header.tokens, payload, header.data_position, time.monotonic() - started,
             )
         except Refused as e:
-            self.metrics.refusals.labels("session").inc()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "session", str(e))
         if not result.accepted:
-            self.metrics.refusals.labels(result.reason.split(":")[0][:40]).inc()
+            self.metrics.refused(result.reason)
             log.warning("refused push of fragment %d from %s: %s", header.fragment, header.learner_id, result.reason)
         elif not result.duplicate:
             self.metrics.pushes.inc()
         if result.resync:  # refused, or merged before: the learner gets the current values
-            pub = await self._core(self.core.resync, header.learner_id, header.session, header.fragment, header.seq)
-            self._queue(header.learner_id).put_nowait((pub, "" if result.accepted else result.reason))
+            try:
+                pub = await self._core(self.core.resync, header.learner_id, header.session, header.fragment, header.seq)
+            except Refused:  # re-joined meanwhile: the new session gets the values on join
+                pub = None
+            if pub is not None:  # full values: they replace anything queued for this fragment (UpdateQueue)
+                self._queue(header.learner_id).put_nowait((pub, "" if result.accepted else result.reason))
         self.wake.set()
         reply = pb.PushReply(accepted=result.accepted, reason=result.reason, duplicate=result.duplicate,
                              resync=result.resync, stop=self.core.should_stop())
         return self._count_out(reply)
 
+    @_guarded
     async def Subscribe(self, request, context):
         self._count_in(request)
         record = self.core.learners.get(request.learner_id)
-        if record is None or record.session != request.session:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown learner or stale session: join again")
+        if record is None or not hmac.compare_digest(record.session.encode(), request.session.encode()):
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "stale session",
+                               "unknown learner or stale session: join again")
         queue = self._queue(request.learner_id)
         key = (request.learner_id, request.session)
         self._streams[key] = self._streams.get(key, 0) + 1
@@ -277,31 +499,50 @@ class SyncerService(pb_grpc.SyncerServicer):
             if not self._streams[key]:
                 del self._streams[key]
 
+    async def _check_progress(self, request, context) -> dict:
+        """The heartbeat's counters in bounds (and grown at a plausible rate since this session's last heartbeat);
+        its floats finite and in range, or left out (a diverged learner's NaN loss is not news the core can use)."""
+        sample = self._samples.get(request.learner_id)
+        previous = sample[1] if sample is not None and sample[0] == request.session else None
+        try:
+            for name in ("data_position", "pushes", "applied"):
+                bounds.check_counter(f"heartbeat {name}", getattr(request, name))
+            bounds.check_progress(request.step, request.tokens_trained, previous, time.monotonic())
+        except bounds.OutOfBounds as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "out of bounds", str(e))
+        floats, dropped = bounds.finite_fields({
+            name: getattr(request, name) if request.HasField(name) else None
+            for name in ("loss", "step_seconds", "speed", "tokens_per_second")})
+        if dropped and (request.learner_id, request.session) not in self._warned:
+            self._warned.add((request.learner_id, request.session))
+            log.warning("learner %s reports %s: not finite or out of range, ignored", shown(request.learner_id),
+                        ", ".join(dropped))
+        return dict(step=request.step, tokens_trained=request.tokens_trained, data_position=request.data_position,
+                    pushes=request.pushes, applied=request.applied, **floats)
+
+    @_guarded
     async def Heartbeat(self, request, context):
         self._count_in(request)
-        progress = dict(
-            step=request.step, tokens_trained=request.tokens_trained, data_position=request.data_position,
-            pushes=request.pushes, applied=request.applied,
-            loss=request.loss if request.HasField("loss") else None,
-            step_seconds=request.step_seconds if request.HasField("step_seconds") else None,
-            speed=request.speed if request.HasField("speed") else None,
-            tokens_per_second=request.tokens_per_second if request.HasField("tokens_per_second") else None,
-        )
+        await self._authenticate(context, request.learner_id, request.session)
+        progress = await self._check_progress(request, context)
         try:
             stop = await self._core(self.core.heartbeat, request.learner_id, request.session, **progress)
         except Refused as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "session", str(e))
+        self._samples[request.learner_id] = (request.session, bounds.Sample(request.step, request.tokens_trained,
+                                                                            time.monotonic()))
         lead = await self._core(self.core.phase_lead, request.learner_id)
         self.wake.set()
-        return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=self.core.tokens_trained(),
+        return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=min(self.core.tokens_trained(), 2**64 - 1),
                                                  budget_progress=self.core.budget_progress(), phase_lead=lead))
 
+    @_guarded
     async def Leave(self, request, context):
         self._count_in(request)
         try:
             await self._core(self.core.leave, request.learner_id, request.session)
         except Refused:
-            pass  # leaving twice, or after a re-join elsewhere, is harmless
+            return self._count_out(pb.LeaveReply())  # leaving twice, or after a re-join elsewhere, is harmless
         log.info("learner %s left", request.learner_id)
         self.wake.set()
         return self._count_out(pb.LeaveReply())

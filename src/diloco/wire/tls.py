@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import grpc
+
+
+def is_loopback(address: str) -> bool:
+    """Is HOST:PORT's host a loopback address (127.0.0.0/8, ::1, localhost)? An empty host means every interface."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if getattr(ip, "ipv4_mapped", None) is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def plaintext_token_problem(address: str, token: str | None, tls: bool) -> str | None:
+    """Why a learner should not send `token` to the syncer at `address` in plaintext, or None. Beyond loopback a
+    token without TLS is refused unless the user passed --insecure (the caller decides, and then warns)."""
+    if not token or tls or is_loopback(address):
+        return None
+    return (f"the syncer at {address} is beyond loopback and this learner has no TLS: the run token and the model "
+            f"would travel in plaintext; pass --tls-ca (or --tls) for a syncer with --tls-cert, or --insecure to "
+            f"accept that")
 
 
 def _read(path: Path | str | None, flag: str) -> bytes | None:
