@@ -253,3 +253,13 @@ def test_pushes_keep_the_plain_schedule_when_alignment_is_off():
         transport.lead = -3.0
         train_steps(model, opt, learner, [1.0])
     assert [j.seq for j in transport.jobs] == [1] and learner.realigned == 0
+
+
+def test_the_in_process_transport_honours_error_feedback():
+    cfg = for_mode("decoupled", 1, fragments=1, sync_every=1, overlap=0, codec="int4", error_feedback=True)
+    transport = LocalTransport(LocalSyncer(SyncerCore(cfg)))
+    model = FixedGradient()
+    learner = Learner(model, transport, "a")
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    train_steps(model, opt, learner, [1.0])
+    assert 0 in transport._feedback._residual  # the quantisation error is carried into the next push

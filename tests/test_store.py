@@ -25,14 +25,17 @@ def test_round_trip(tmp_path):
     loaded = StateStore(tmp_path).load()
     assert loaded.ledger == {"v": 2}
     assert torch.equal(loaded.fragments[0]["theta"], torch.ones(2)) and torch.equal(loaded.fragments[1]["theta"], torch.full((3,), 2.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fragment-0-v1.safetensors", "fragment-1-v2.safetensors", "ledger-2.json", "manifest.json"]
+    # the previous generation (manifest.prev.json and the files it names) is kept until a newer one is written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fragment-0-v1.safetensors", "fragment-1-v1.safetensors", "fragment-1-v2.safetensors", "ledger-1.json", "ledger-2.json", "manifest.json", "manifest.prev.json"]
+    s.save({"v": 3}, {1: (3, {"theta": torch.full((3,), 3.0)})})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fragment-0-v1.safetensors", "fragment-1-v2.safetensors", "fragment-1-v3.safetensors", "ledger-2.json", "ledger-3.json", "manifest.json", "manifest.prev.json"]
 
 
 class Crash(Exception):
     pass
 
 
-@pytest.mark.parametrize("crash_at", range(1, 8))
+@pytest.mark.parametrize("crash_at", range(1, 12))  # every step of a save, the previous manifest included
 def test_a_crash_at_any_write_step_leaves_a_consistent_loadable_state(tmp_path, monkeypatch, crash_at):
     s = StateStore(tmp_path)
     s.save({"v": 1}, {1: (1, {"theta": torch.full((3,), 1.0)})})

@@ -117,7 +117,7 @@ def cmd_syncer(args) -> int:
     opts = ServerOptions(listen=args.listen, http=args.http, out=args.state, token=args.token,
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                         snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout,
+                         snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout, recover=args.state_recover,
                          insecure=args.insecure, status_token=args.status_token)
     status = asyncio.run(serve(cfg, opts))
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
@@ -245,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-tokens", type=int, default=0, help="trained tokens between model snapshots in --state")
     p.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
                    help="seconds the learner uploading the initial model may send nothing before another takes over (60)")
+    p.add_argument("--state-recover", action="store_true",
+                   help="if the newest state in --state is damaged, resume from the previous consistent one")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")

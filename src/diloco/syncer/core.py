@@ -2,6 +2,14 @@
 
 No sockets and no clock of its own: the service calls it from one worker thread and passes time in, and tests
 drive it directly.
+
+Threads (docs/architecture.md, Threading model): every call that changes rounds, fragments or the set of learners
+(initialize, join, snapshot_for_join, push, resync, poll, persist, restore) runs on ONE worker thread. Other threads
+may call the readers and the light writers (heartbeat, heartbeat_reply, leave, phase_lead, budget_progress,
+tokens_trained, should_stop, live, status) at any time: `lock` guards the ledger and the round bookkeeping they
+share. The worker holds it only for bookkeeping; the heavy arithmetic of a round (decoding and folding a
+contribution in, merging, the outer step, encoding, checksums, writing to disk) runs without it, on tensors only
+the worker touches. Only the worker adds learners, so it may read the ledger without the lock.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import re
 import secrets
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -140,6 +149,13 @@ class SyncerCore:
         self.stopping = False
         self._outbox: list[Publication] = []
         """Publications of rounds closed outside `poll` (see `push`); the next poll returns them."""
+        self.lock = threading.RLock()
+        """Guards the ledger and the round bookkeeping against the light calls of other threads (module docstring).
+        Held only briefly and never while acquiring anything else."""
+        self.merge_stats = {"count": 0, "total": 0.0, "last": 0.0, "max": 0.0}
+        """Seconds of closed rounds (merge, outer step, encoding, persisting: `_close`)."""
+        self.on_merge: Callable[[float], None] | None = None
+        """Called with each closed round's seconds (the service feeds its metrics)."""
 
     @property
     def policy(self):
@@ -167,9 +183,11 @@ class SyncerCore:
         for fr, f in zip(layout, flats):
             if not torch.isfinite(f).all():
                 raise Refused(f"initial values of fragment {fr.index} contain NaN or Inf")
-        self.specs = list(specs)
-        self.fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f) if fr.role == "params" else torch.zeros(0))
-                          for fr, f in zip(layout, flats)]
+        fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f) if fr.role == "params" else torch.zeros(0))
+                     for fr, f in zip(layout, flats)]
+        with self.lock:
+            self.specs = list(specs)
+            self.fragments = fragments
         self.persist(range(len(self.fragments)))
         return True
 
@@ -202,16 +220,17 @@ class SyncerCore:
                 f"model mismatch ({diff}); every learner must build the same model as the run "
                 f"(signature {signature(self.specs)}, yours {signature(specs)})"
             )
-        now = self.clock()
-        record = self.learners.get(learner_id)
         session = secrets.token_hex(8)
-        if self.first_join_at is None:
-            self.first_join_at = now
-        if record is None:
-            record = LearnerRecord(learner_id, session, now, now)
-            self.learners[learner_id] = record
-        record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
-        record.versions = {i: fs.version for i, fs in enumerate(self.fragments)}
+        with self.lock:
+            now = self.clock()
+            record = self.learners.get(learner_id)
+            if self.first_join_at is None:
+                self.first_join_at = now
+            if record is None:
+                record = LearnerRecord(learner_id, session, now, now)
+                self.learners[learner_id] = record
+            record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
+            record.versions = {i: fs.version for i, fs in enumerate(self.fragments)}
         return session
 
     def snapshot_for_join(self, learner_id: str) -> list[tuple[int, int, torch.Tensor]]:
@@ -230,88 +249,109 @@ class SyncerCore:
         return record
 
     def heartbeat(self, learner_id: str, session: str, **progress) -> bool:
-        """Record liveness and progress; returns True when the learner should stop (budget reached)."""
-        record = self._record(learner_id, session)
-        record.last_seen = self.clock()
-        progress.pop("data_position", None)  # the ledger's position moves only when work is merged
-        step_seconds = progress.pop("step_seconds", None)
-        if step_seconds:
-            record.step_time.update(step_seconds)
-        for key, value in progress.items():
-            if value is not None:
-                setattr(record, key, value)
-        return self.should_stop()
+        """Record liveness and progress; returns True when the learner should stop (budget reached). Any thread."""
+        with self.lock:
+            record = self._record(learner_id, session)
+            record.last_seen = self.clock()
+            progress.pop("data_position", None)  # the ledger's position moves only when work is merged
+            step_seconds = progress.pop("step_seconds", None)
+            if step_seconds:
+                record.step_time.update(step_seconds)
+            for key, value in progress.items():
+                if value is not None:
+                    setattr(record, key, value)
+            return self.should_stop()
+
+    def heartbeat_reply(self, learner_id: str, session: str, **progress) -> tuple[bool, float | None, int, float | None]:
+        """`heartbeat`, then what its reply carries: (stop, phase lead, tokens trained, budget progress), read
+        together under the lock. Any thread: never waits for a merge."""
+        with self.lock:
+            stop = self.heartbeat(learner_id, session, **progress)
+            return stop, self.phase_lead(learner_id), self.tokens_trained(), self.budget_progress()
 
     def should_stop(self) -> bool:
         if self.stopping:
             return True
-        progress = self.budget_progress()
+        with self.lock:
+            progress = self.budget_progress()
         return progress is not None and progress >= 1.0
 
     def budget_progress(self) -> float | None:
         """Share of the token or time budget spent (the larger when both are set); None without a budget."""
         shares = []
         if self.token_budget:
-            shares.append(self.tokens_trained() / self.token_budget)
+            with self.lock:
+                shares.append(self.tokens_trained() / self.token_budget)
         if self.duration and self.first_join_at is not None:
             shares.append((self.clock() - self.first_join_at) / self.duration)
         return min(max(shares), 1.0) if shares else None
 
     def leave(self, learner_id: str, session: str) -> None:
-        self._record(learner_id, session).left = True
+        with self.lock:
+            self._record(learner_id, session).left = True
 
     def live(self) -> frozenset[str]:
-        now = self.clock()
-        return frozenset(
-            r.id for r in self.learners.values() if not r.left and now - r.last_seen <= self.cfg.absent_after_seconds
-        )
+        with self.lock:
+            now = self.clock()
+            return frozenset(
+                r.id for r in self.learners.values() if not r.left and now - r.last_seen <= self.cfg.absent_after_seconds
+            )
 
     def tokens_trained(self) -> int:
-        return sum(r.tokens_trained for r in self.learners.values())
+        with self.lock:
+            return sum(r.tokens_trained for r in self.learners.values())
 
     def tokens_merged(self) -> int:
-        return sum(r.tokens_merged for r in self.learners.values())
+        with self.lock:
+            return sum(r.tokens_merged for r in self.learners.values())
 
     def averages(self) -> Averages:
-        live = self.live()
-        steps = [r.step_time.value for r in self.learners.values() if r.id in live and r.step_time.value]
-        # the fastest learner pushes first and waits longest, so its step time bounds the window
-        return Averages(min(steps) if steps else None, self.quorum_avg.value, self.sync_avg.value)
+        with self.lock:
+            live = self.live()
+            steps = [r.step_time.value for r in self.learners.values() if r.id in live and r.step_time.value]
+            # the fastest learner pushes first and waits longest, so its step time bounds the window
+            return Averages(min(steps) if steps else None, self.quorum_avg.value, self.sync_avg.value)
 
     # ---- pushes and rounds --------------------------------------------------------------------------------
     def push(
         self, learner_id: str, session: str, seq: int, fragment: int, base_version: int, steps: int, tokens: int,
         payload: codec.Encoded, data_position: int = 0, transfer_seconds: float = 0.0,
     ) -> PushResult:
-        record = self._record(learner_id, session)
-        record.last_seen = self.clock()
-        if seq <= record.merged_seq.get(f"{session}:{fragment}", 0):
-            # merged before (perhaps before a restart): its result may have been missed, so send the current values
-            return PushResult(True, "duplicate push ignored", duplicate=True, resync=True)
-        pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
-        if pending is not None and (pending.session, pending.seq) == (session, seq):
-            return PushResult(True, "duplicate push ignored", duplicate=True)
-        if 0 <= fragment < len(self.fragments) and self.fragments[fragment].fragment.role == "params":
-            record.last_push = (self.clock(), fragment)  # its phase in the push schedule, for predicting the next
+        """Admit a contribution and fold it into its round's running sums. Worker thread: decoding and folding run
+        without the lock."""
+        with self.lock:
+            record = self._record(learner_id, session)
+            record.last_seen = self.clock()
+            if seq <= record.merged_seq.get(f"{session}:{fragment}", 0):
+                # merged before (perhaps before a restart): its result may have been missed, so send the current values
+                return PushResult(True, "duplicate push ignored", duplicate=True, resync=True)
+            pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
+            if pending is not None and (pending.session, pending.seq) == (session, seq):
+                return PushResult(True, "duplicate push ignored", duplicate=True)
+            if 0 <= fragment < len(self.fragments) and self.fragments[fragment].fragment.role == "params":
+                record.last_push = (self.clock(), fragment)  # its phase in the push schedule, for predicting the next
         try:
-            delta = self._validate(fragment, steps, tokens, payload)
+            delta = self._validate(fragment, steps, tokens, payload)  # decodes: no lock
         except Refused as e:
             # the learner's copy of this fragment is suspect: it gets the current values to start over from
-            record.refused += 1
             reason = str(e).split(":")[0]
-            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            with self.lock:
+                record.refused += 1
+                self.refusals[reason] = self.refusals.get(reason, 0) + 1
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
         staleness = fs.version - base_version
-        if staleness < 0 or staleness > self.cfg.max_staleness:
-            record.refused += 1
-            self.refusals["stale"] = self.refusals.get("stale", 0) + 1
-            return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
-                              f"which is at {fs.version}: fetch the current fragment", resync=True)
-        record.pushes += 1
-        if transfer_seconds:
-            self.sync_avg.update(transfer_seconds)
-        if learner_id in fs.pending:
+        with self.lock:
+            if staleness < 0 or staleness > self.cfg.max_staleness:
+                record.refused += 1
+                self.refusals["stale"] = self.refusals.get("stale", 0) + 1
+                return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
+                                  f"which is at {fs.version}: fetch the current fragment", resync=True)
+            record.pushes += 1
+            if transfer_seconds:
+                self.sync_avg.update(transfer_seconds)
+            repeated = learner_id in fs.pending
+        if repeated:
             # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
             # to take it out again; docs/architecture.md, Syncer memory)
             self._outbox.extend(self._close(fragment, fs))
@@ -321,9 +361,10 @@ class SyncerCore:
             fs.merging = StreamingMerge(segments(fs.fragment), method)
         # the version cannot change while the round is open, so the weight is the one the round closes with
         fs.merging.add(delta, token_weight(*self._counted(c), fs.version - base_version, self.cfg.staleness_decay))
-        fs.pending[learner_id] = c
-        if fs.opened_at is None:
-            fs.opened_at = self.clock()
+        with self.lock:
+            fs.pending[learner_id] = c
+            if fs.opened_at is None:
+                fs.opened_at = self.clock()
         return PushResult(True)
 
     def _validate(self, fragment: int, steps: int, tokens: int, payload: codec.Encoded) -> torch.Tensor:
@@ -373,22 +414,31 @@ class SyncerCore:
                            self._checksum(fs), seq)
 
     def poll(self, force: bool = False) -> list[Publication]:
-        """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom."""
-        out, self._outbox = self._outbox, []
-        live, avg, now = self.live(), self.averages(), self.clock()
-        for index, fs in enumerate(self.fragments):
-            if not fs.pending:
-                continue
-            d = self._decide(index, fs, live, avg, now)
-            if d.quorum_at is not None and fs.quorum_at is None:
-                fs.quorum_at = d.quorum_at
-                self.quorum_avg.update(d.quorum_at - fs.opened_at)
-            if d.close or force:
-                out.extend(self._close(index, fs))
+        """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom. Worker
+        thread: the rounds are chosen under the lock and closed without it."""
+        closing = []
+        with self.lock:
+            out, self._outbox = self._outbox, []
+            live, avg, now = self.live(), self.averages(), self.clock()
+            for index, fs in enumerate(self.fragments):
+                if not fs.pending:
+                    continue
+                d = self._decide(index, fs, live, avg, now)
+                if d.quorum_at is not None and fs.quorum_at is None:
+                    fs.quorum_at = d.quorum_at
+                    self.quorum_avg.update(d.quorum_at - fs.opened_at)
+                if d.close or force:
+                    closing.append((index, fs))
+        for index, fs in closing:
+            out.extend(self._close(index, fs))
         return out
 
     def next_wakeup(self) -> float | None:
         """When `poll` may have something new to do without any new request."""
+        with self.lock:
+            return self._next_wakeup()
+
+    def _next_wakeup(self) -> float | None:
         live, avg, now = self.live(), self.averages(), self.clock()
         times = [now] if self._outbox else []
         for index, fs in enumerate(self.fragments):
@@ -426,6 +476,10 @@ class SyncerCore:
         similar speed (within 1.5×) whose session began first: it never moves, so a learner that rejoins at a
         random phase moves to the others instead of pulling them apart. Learners that follow it push each
         fragment together, so rounds fill."""
+        with self.lock:
+            return self._phase_lead(learner_id)
+
+    def _phase_lead(self, learner_id: str) -> float | None:
         record, now = self.learners.get(learner_id), self.clock()
         if record is None or self._position(record, now) is None:
             return None
@@ -451,48 +505,73 @@ class SyncerCore:
         return now + steps * record.step_time.value
 
     def _close(self, index: int, fs: FragmentState) -> list[Publication]:
-        started = self.clock()
-        contributions = list(fs.pending.values())
-        counted = [self._counted(c) for c in contributions]
+        """Merge the round, take the outer step, persist, and return the publications. Worker thread, called
+        without the lock: it takes it only for the bookkeeping; the arithmetic touches tensors only the worker
+        does."""
+        started = time.monotonic()
+        clock_started = self.clock()
         params = fs.fragment.role == "params"
-        delta, fs.merging = fs.merging.result(), None
+        with self.lock:
+            contributions = list(fs.pending.values())
+            counted = [self._counted(c) for c in contributions]
+            share = (self._round_share(contributions, [t for t, _ in counted])
+                     if self.cfg.scale_partial_rounds and params else 1.0)
+        merging, fs.merging = fs.merging, None
+        # ---- the arithmetic, without the lock
+        delta = merging.result()
         lossy = self.cfg.down_codec != "fp32"
         if lossy and fs.published is None:
             fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
-        share = self._round_share(contributions, [t for t, _ in counted]) if self.cfg.scale_partial_rounds and params else 1.0
         if share < 1.0:
             delta.mul_(share)
+        pending_share = fs.pending_share
         if not params:  # buffers: their token-weighted mean, Θ − mean(Θ_base − b_m), no outer optimizer
             fs.theta.sub_(delta)
         elif self.cfg.delayed_momentum:
             if fs.pending_delta is None:
                 fs.pending_delta = torch.zeros_like(fs.theta)
-            fs.pending_share = delayed_nesterov_step(fs.theta, delta, fs.momentum, fs.pending_delta, share,
-                                                     fs.pending_share, self.cfg.outer_lr, self.cfg.outer_momentum)
+            pending_share = delayed_nesterov_step(fs.theta, delta, fs.momentum, fs.pending_delta, share,
+                                                  fs.pending_share, self.cfg.outer_lr, self.cfg.outer_momentum)
         else:
             nesterov_step(fs.theta, delta, fs.momentum, self.cfg.outer_lr, self.cfg.outer_momentum)
-        fs.version += 1
+        del delta, merging
+        version = fs.version + 1
         if lossy:
-            self._publish_change(fs)
-        fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
-        self.rounds += 1
-        for c, (tokens, _) in zip(contributions, counted):
-            record = self.learners[c.learner]
-            record.merged_seq[f"{c.session}:{index}"] = max(c.seq, record.merged_seq.get(f"{c.session}:{index}", 0))
-            if not params:
-                continue
-            record.contribution_tokens.update(tokens)
-            record.merged += 1
-            record.tokens_merged += c.tokens / self.cfg.fragments
-            record.data_position = max(record.data_position, c.data_position)  # where merged work ended
-        entry = (round(self.clock() - self.started_at, 4), index, fs.version, len(contributions))
-        self.round_log.append(entry)
+            self._publish_change(fs, version)
+        # ---- the bookkeeping, under the lock
+        with self.lock:
+            fs.pending_share = pending_share
+            fs.version = version
+            fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
+            self.rounds += 1
+            for c, (tokens, _) in zip(contributions, counted):
+                record = self.learners[c.learner]
+                key = f"{c.session}:{index}"
+                record.merged_seq[key] = max(c.seq, record.merged_seq.get(key, 0))
+                if not params:
+                    continue
+                record.contribution_tokens.update(tokens)
+                record.merged += 1
+                record.tokens_merged += c.tokens / self.cfg.fragments
+                record.data_position = max(record.data_position, c.data_position)  # where merged work ended
+            entry = (round(self.clock() - self.started_at, 4), index, fs.version, len(contributions))
+            self.round_log.append(entry)
+        # ---- disk and encoding, without the lock (only the worker adds learners or changes fragments)
         if self.store is not None:
             self.store.append_round(entry)
         self.persist([index])  # durable before it is published
         full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
         out = [pub for c in contributions for pub in self._downlink(self.learners[c.learner], index, fs, c.seq, full)]
-        self.sync_avg.update(self.clock() - started)
+        seconds = time.monotonic() - started
+        with self.lock:
+            self.sync_avg.update(self.clock() - clock_started)
+            stats = self.merge_stats
+            stats["count"] += 1
+            stats["total"] += seconds
+            stats["last"] = seconds
+            stats["max"] = max(stats["max"], seconds)
+        if self.on_merge is not None:
+            self.on_merge(seconds)
         return out
 
     def _counted(self, c: Contribution) -> tuple[float, float]:
@@ -513,12 +592,13 @@ class SyncerCore:
         missing = sum(self.learners[i].contribution_tokens.value or fallback for i in self.live() - present)
         return tokens / (tokens + missing)
 
-    def _publish_change(self, fs: FragmentState) -> None:
-        """P_v = P_{v−1} + decode(encode(Θ_v − P_{v−1})): the change every learner holding P_{v−1} applies."""
+    def _publish_change(self, fs: FragmentState, version: int) -> None:
+        """P_v = P_{v−1} + decode(encode(Θ_v − P_{v−1})): the change every learner holding P_{v−1} applies, v being
+        `version` (the fragment's next)."""
         change = codec.encode_difference(fs.theta, fs.published, self.cfg.down_codec)
         codec.decode_add(change, fs.published)  # the same fp32 sum the learner's Receiver computes
-        fs.checksum = (fs.version, tensor_checksum(fs.published))
-        fs.changes.append((fs.version, change, fs.checksum[1]))
+        fs.checksum = (version, tensor_checksum(fs.published))
+        fs.changes.append((version, change, fs.checksum[1]))
         # a chain is worth sending only while it is smaller than full values; older changes would never be sent
         full = codec.encoded_size(fs.fragment.numel, "fp32")
         while len(fs.changes) > WINDOW or (len(fs.changes) > 1 and sum(len(c.data) for _, c, _ in fs.changes) >= full):
@@ -554,20 +634,23 @@ class SyncerCore:
 
     # ---- reporting ----------------------------------------------------------------------------------------
     def status(self) -> dict:
-        now = self.clock()
-        return {
-            "mode": self.cfg.mode,
-            "uptime_seconds": round(now - self.started_at, 3),
-            "started_unix": self.started_unix,
-            "initialized": self.initialized,
-            "rounds": self.rounds,
-            "versions": [fs.version for fs in self.fragments],
-            "pending": [len(fs.pending) for fs in self.fragments],
-            "tokens_trained": self.tokens_trained(),
-            "tokens_merged": self.tokens_merged(),
-            "token_budget": self.token_budget,
-            "stopping": self.should_stop(),
-            "averages": vars(self.averages()),
-            "refusals": dict(self.refusals),
-            "learners": [r.summary(now, self.cfg.absent_after_seconds) for r in self.learners.values()],
-        }
+        """What /status shows. Any thread: never waits for a merge."""
+        with self.lock:
+            now = self.clock()
+            return {
+                "mode": self.cfg.mode,
+                "uptime_seconds": round(now - self.started_at, 3),
+                "started_unix": self.started_unix,
+                "initialized": self.initialized,
+                "rounds": self.rounds,
+                "versions": [fs.version for fs in self.fragments],
+                "pending": [len(fs.pending) for fs in self.fragments],
+                "tokens_trained": self.tokens_trained(),
+                "tokens_merged": self.tokens_merged(),
+                "token_budget": self.token_budget,
+                "stopping": self.should_stop(),
+                "averages": vars(self.averages()),
+                "refusals": dict(self.refusals),
+                "merge_seconds": dict(self.merge_stats),
+                "learners": [r.summary(now, self.cfg.absent_after_seconds) for r in self.learners.values()],
+            }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 MAX_REASONS = 32
 """Distinct `reason` labels of diloco_refusals; later new ones count as "other" (labels must not grow unbounded)."""
@@ -31,6 +31,17 @@ class SyncerMetrics:
         self.live = Gauge("diloco_live_learners", "learners heard from within the absence timeout", registry=r)
         self.tokens_trained = Gauge("diloco_tokens_trained", "tokens learners report having trained on", registry=r)
         self.tokens_merged = Gauge("diloco_tokens_merged", "tokens whose effect reached the global model", registry=r)
+        self.merge_seconds = Histogram(
+            "diloco_merge_seconds", "seconds to close a round: merge, outer step, encoding, persisting", registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0))
+        self.core_queue = Gauge("diloco_core_queue_depth", "calls waiting for the syncer's core worker thread",
+                                registry=r)
+        self.loop_lag = Histogram(
+            "diloco_event_loop_lag_seconds", "how late the syncer's event loop wakes from a 0.1 s sleep", registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+        self.heartbeat_seconds = Histogram(
+            "diloco_heartbeat_seconds", "seconds the syncer took to record a heartbeat (waiting included)", registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
         self._reasons: set[str] = set()
 
     def refused(self, reason: str) -> None:

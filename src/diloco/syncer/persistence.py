@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -11,6 +12,7 @@ import torch
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec, plan_fragments
 from diloco.syncer.ledger import LearnerRecord
+from diloco.syncer.store import Damaged, Loaded, fragment_version
 
 log = logging.getLogger("diloco.syncer")
 
@@ -34,30 +36,104 @@ def ledger(core) -> dict:
 
 
 def persist(core, changed) -> None:
+    """Write the ledger and the `changed` fragments (and any a failed write left unsaved).
+
+    A full or read-only state directory (OSError) is logged at once with the path and errno, recorded as
+    `core.state_error` (/status shows the syncer unhealthy) and retried with the next round; it is not raised:
+    SyncerCore._close persists after the round has changed the fragment in memory, and an exception there would
+    lose the round's publications and stop the loop that closes rounds. The round is published without being
+    durable, and becomes durable with the first write that succeeds."""
     if core.store is None or not core.initialized:
         return
+    todo = set(changed) | getattr(core, "unsaved_fragments", set())
     tensors = {}
-    for i in changed:
+    for i in sorted(todo):
         fs = core.fragments[i]
         pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.momentum)
         tensors[i] = (fs.version, {"theta": fs.theta, "momentum": fs.momentum, "pending_delta": pending})
-    core.store.save(ledger(core), tensors)
+    try:
+        core.store.save(ledger(core), tensors)
+    except OSError as e:
+        core.unsaved_fragments = todo
+        where = e.filename or core.store.folder
+        error = (f"cannot write the syncer state to {where}: [Errno {e.errno}] {e.strerror or e}; rounds since "
+                 f"then are published but not durable (retried every round)")
+        if getattr(core, "state_error", None) != error:
+            log.error("%s", error)
+        core.state_error = error
+        return
+    core.unsaved_fragments = set()
+    if getattr(core, "state_error", None):
+        log.warning("the state directory %s takes writes again: the syncer state is durable again (versions %s)",
+                    core.store.folder, [fs.version for fs in core.fragments])
+        core.state_error = None
+
+
+def config_differences(stored: SyncConfig, given: SyncConfig) -> list[str]:
+    return [f"{f.name}: stored {getattr(stored, f.name)!r}, given {getattr(given, f.name)!r}"
+            for f in dataclasses.fields(SyncConfig) if getattr(stored, f.name) != getattr(given, f.name)]
+
+
+def _parse(led: dict, ledger_name: str):
+    """(config, specs) of a ledger, or Damaged."""
+    try:
+        cfg = SyncConfig(**led["config"])
+        specs = [TensorSpec(n, tuple(shape), dtype, emb, *rest) for n, shape, dtype, emb, *rest in led["specs"]]
+        layout = plan_fragments(specs, cfg.fragments)
+        for key in ("versions", "pending_share", "rounds", "refusals", "learners", "quorum_avg", "sync_avg",
+                    "started_unix", "elapsed_since_first_join"):
+            led[key]
+    except (KeyError, TypeError, ValueError) as e:
+        raise Damaged(ledger_name, f"not a syncer ledger ({type(e).__name__}: {e})") from None
+    return cfg, specs, layout
+
+
+def check(loaded: Loaded) -> None:
+    """What the ledger implies of the fragment files: one per fragment, at the ledger's version (file names carry
+    it), with the tensors and shapes of that fragment. Raises Damaged naming the file."""
+    led, ledger_name = loaded.ledger, loaded.files["ledger"]
+    _, _, layout = _parse(led, ledger_name)
+    versions = led["versions"]
+    if not isinstance(versions, list) or len(versions) != len(layout) or len(led["pending_share"]) != len(layout):
+        raise Damaged(ledger_name, f"lists {len(versions) if isinstance(versions, list) else '?'} fragment versions "
+                                   f"but its model has {len(layout)} fragments")
+    for fragment in layout:
+        i = fragment.index
+        name = loaded.files.get(f"fragment-{i}")
+        if name is None or i not in loaded.fragments:
+            raise Damaged(ledger_name, f"fragment {i} has no file in the manifest")
+        _, file_version = fragment_version(name)
+        if versions[i] != file_version:
+            raise Damaged(ledger_name, f"says fragment {i} is at version {versions[i]!r} but its file is {name} "
+                                       f"(version {file_version})")
+        t = loaded.fragments[i]
+        missing = {"theta", "momentum", "pending_delta"} - set(t)
+        if missing:
+            raise Damaged(name, f"lacks tensors {sorted(missing)}")
+        n = fragment.numel
+        expected = {"theta": (n,), "momentum": (n,) if fragment.role == "params" else (0,)}
+        expected["pending_delta"] = expected["momentum"]
+        for key, shape in expected.items():
+            if tuple(t[key].shape) != shape:
+                raise Damaged(name, f"tensor {key!r} has shape {tuple(t[key].shape)}, fragment {i} of the ledger's "
+                                    f"model needs {shape} (a file of another fragment or model?)")
 
 
 def restore(core) -> bool:
     from diloco.syncer.core import ROUND_LOG_KEPT, FragmentState
 
-    loaded = core.store.load() if core.store else None
+    loaded = core.store.load(check) if core.store else None
     if loaded is None:
         return False
     led, now = loaded.ledger, core.clock()
-    stored_cfg = SyncConfig(**led["config"])
+    stored_cfg, specs, layout = _parse(led, loaded.files["ledger"])
     if stored_cfg != core.cfg:
-        log.warning("resuming with the stored run configuration, not the one given on the command line")
+        log.warning("resuming with the stored run configuration, not the one given (the run's identity is the "
+                    "stored one): %s", "; ".join(config_differences(stored_cfg, core.cfg)))
         core.cfg = stored_cfg
-    core.specs = [TensorSpec(n, tuple(shape), dtype, emb, *rest) for n, shape, dtype, emb, *rest in led["specs"]]
+    core.specs = specs
     core.fragments = []
-    for i, fragment in enumerate(plan_fragments(core.specs, core.cfg.fragments)):
+    for i, fragment in enumerate(layout):
         t = loaded.fragments[i]
         fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i])
         fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]
@@ -65,8 +141,13 @@ def restore(core) -> bool:
     core.rounds, core.refusals = led["rounds"], led["refusals"]
     # a crash between appending a round's line and persisting the round leaves a line for a version that was
     # never published; it is produced again after the restart, so the history keeps only what the state holds
-    kept = [e for e in core.store.rounds(ROUND_LOG_KEPT) if e[2] <= core.fragments[e[1]].version]
-    core.store.rewrite_rounds(kept)
+    kept = [e for e in core.store.rounds(ROUND_LOG_KEPT)
+            if len(e) == 4 and isinstance(e[1], int) and 0 <= e[1] < len(core.fragments)
+            and e[2] <= core.fragments[e[1]].version]
+    try:
+        core.store.rewrite_rounds(kept)
+    except OSError as e:
+        log.error("cannot rewrite %s: [Errno %s] %s", e.filename, e.errno, e.strerror)
     core.round_log.extend(kept)
     core.quorum_avg.value, core.sync_avg.value = led["quorum_avg"], led["sync_avg"]
     core.started_unix = led["started_unix"]

@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import signal
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -59,6 +61,8 @@ class ServerOptions:
     """Allow the token to travel in plaintext beyond loopback (no TLS; a warning is logged)."""
     status_token: str | None = None
     """Read-only secret for /status and /metrics beyond loopback (besides the run token)."""
+    recover: bool = False
+    """When the newest state in out/state is damaged, resume from the previous consistent one (--state-recover)."""
 
 
 HTTP_TIMEOUT = 10.0
@@ -114,6 +118,34 @@ def save_model(core: SyncerCore, path: Path, **metadata) -> None:
     save_tensors(path, core.params(), metadata)
 
 
+def health(core: SyncerCore) -> dict:
+    """/status fields on the state directory: unhealthy while the latest rounds could not be made durable."""
+    error = getattr(core, "state_error", None)
+    return {"healthy": error is None, "state_error": error}
+
+
+FALLBACK_PREFIX = "diloco-final-"
+
+
+def _write_final(out: Path, name: str, write, fallback: list[Path]) -> Path | None:
+    """write(path) into `out`, or, when `out` cannot take it (full, read-only), into a fallback folder (a new
+    temporary one, made once and shared by every final file); returns where it went, None if nowhere."""
+    try:
+        write(out / name)
+        return out / name
+    except OSError as e:
+        log.error("cannot write %s: [Errno %s] %s", out / name, e.errno, e.strerror)
+    try:
+        if not fallback:
+            fallback.append(Path(tempfile.mkdtemp(prefix=f"{FALLBACK_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-")))
+        write(fallback[0] / name)
+    except OSError as e:
+        log.error("cannot write %s to the fallback folder either: [Errno %s] %s", name, e.errno, e.strerror)
+        return None
+    log.error("wrote %s to %s instead: copy it somewhere safe", name, fallback[0] / name)
+    return fallback[0] / name
+
+
 def _http_server(address: str, service: SyncerService, status: dict, tokens: list[str]) -> ThreadingHTTPServer:
     host, port = address.rsplit(":", 1)
 
@@ -167,7 +199,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             loop.add_signal_handler(sig, stop.set)
         except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
             pass
-    store = StateStore(opts.out / "state") if opts.out else None
+    store = StateStore(opts.out / "state", recover=opts.recover) if opts.out else None
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store)
     if core.restore():
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
@@ -197,7 +229,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     next_tokens = opts.snapshot_tokens
     try:
         while not stop.is_set():
-            status.update(await service._core(core.status), wire_bytes=metrics.total_wire_bytes(), **ready)
+            status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **ready,
+                          **health(core))
             metrics.observe_status(status)
             if on_status:
                 on_status(dict(status))
@@ -206,7 +239,11 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             if opts.out and core.initialized and (due_time or due_tokens):
                 next_snapshot = core.clock() + opts.snapshot_seconds
                 next_tokens = core.tokens_trained() + opts.snapshot_tokens
-                await service._core(_snapshot, core, opts.out, status)
+                try:
+                    await service._core(_snapshot, core, opts.out, status)
+                except OSError as e:
+                    log.error("cannot write a snapshot to %s: [Errno %s] %s", e.filename or opts.out / "snapshots",
+                              e.errno, e.strerror)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except asyncio.TimeoutError:
@@ -219,20 +256,31 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         await server.stop(grace=2.0)
         if http:
             http.shutdown()
-        status.update(await service._core(core.status), wire_bytes=metrics.total_wire_bytes(), **ready)
+        status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **ready)
         status["round_log"] = list(core.round_log)
         if opts.out and core.initialized:
-            await service._core(core.persist, [])
-            await service._core(_snapshot, core, opts.out, status)
-            save_model(core, opts.out / "model.safetensors", tokens_merged=core.tokens_merged())
-            write_json(opts.out / "syncer.json", status, indent=2)
-        service._pool.shutdown(wait=True)
+            await service._core(core.persist, [])  # a failure is logged and recorded in state_error
+            status.update(health(core))
+            try:
+                await service._core(_snapshot, core, opts.out, status)
+            except OSError as e:
+                log.error("cannot write the last snapshot to %s: [Errno %s] %s",
+                          e.filename or opts.out / "snapshots", e.errno, e.strerror)
+            fallback: list[Path] = []
+            model = await service._core(
+                _write_final, opts.out, "model.safetensors",
+                lambda path: save_model(core, path, tokens_merged=core.tokens_merged()), fallback)
+            status["final_model"] = None if model is None else str(model)
+            _write_final(opts.out, "syncer.json", lambda path: write_json(path, status, indent=2), fallback)
+        else:
+            status.update(health(core))
+        service.shutdown()
     return status
 
 
 def _snapshot(core: SyncerCore, out: Path, status: dict) -> None:
     folder = out / "snapshots"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     t = core.clock() - core.started_at
     save_model(core, folder / f"{t:010.3f}.safetensors", seconds=round(t, 3), tokens_trained=core.tokens_trained(),
                tokens_merged=core.tokens_merged(), rounds=core.rounds, wire_bytes=status.get("wire_bytes", 0))

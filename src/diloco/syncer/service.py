@@ -1,8 +1,11 @@
 """The syncer's gRPC service (grpc.aio): turns RPCs into SyncerCore calls and publications into streams.
 
-Threading: the event loop serves RPCs; every SyncerCore call runs on one worker thread (`_core`), so the core is
-single-threaded and a long merge never stalls heartbeats or transfers. The service's own state (update queues, open
-update streams, the initial-upload lease) is touched only on the event loop.
+Threading (docs/architecture.md, Threading model): the event loop serves RPCs; every SyncerCore call that changes
+rounds, fragments or the set of learners runs on one worker thread (`_core`), one at a time. Heartbeats, leaves and
+status run on a second thread (`_ledger`) and take only the core's lock, which the worker holds for bookkeeping and
+never across a merge, so a long merge does not delay them. Large copies (a join's encoding, a push's payload) run off
+the event loop too. The service's own state (update queues, open update streams, the initial-upload lease) is
+touched only on the event loop.
 
 Untrusted input: every request is checked here before the core sees it (wire/bounds.py): counters within bounds,
 floats finite, a push authenticated by its learner's session and sized before any of its data is buffered, client
@@ -139,6 +142,15 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.token = token
         self.stall_timeout = stall_timeout
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncer-core")
+        self._ledger_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncer-ledger")
+        self._submitted = 0
+        """Calls handed to the core worker (written on the event loop only)."""
+        self._started = 0
+        """Calls the core worker began (written on the worker only): _submitted − _started are waiting."""
+        self.loop_lag = {"last": 0.0, "max": 0.0}
+        """How late a 0.1 s sleep on the event loop woke up, latest and largest (`watch_loop_lag`)."""
+        core.on_merge = metrics.merge_seconds.observe
+        metrics.core_queue.set_function(self.core_queue_depth)
         self._queues: dict[str, UpdateQueue] = {}
         self._streams: dict[tuple[str, str], int] = {}
         """Open Subscribe streams per (learner, session): a learner with one open is connected to this syncer."""
@@ -154,7 +166,47 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._warned: set[tuple[str, str]] = set()
 
     async def _core(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        """Run a SyncerCore call (or anything touching its tensors) on the core worker, after those queued before."""
+        def call():
+            self._started += 1
+            return fn(*args, **kwargs)
+
+        self._submitted += 1
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    async def _ledger(self, fn, *args, **kwargs):
+        """Run a light SyncerCore call (heartbeat, leave, status: the lock only) beside the core worker."""
+        return await asyncio.get_running_loop().run_in_executor(self._ledger_pool, lambda: fn(*args, **kwargs))
+
+    def core_queue_depth(self) -> int:
+        """Calls waiting for the core worker (not counting the one it runs)."""
+        return max(0, self._submitted - self._started)
+
+    def stats(self) -> dict:
+        """The service's own figures for /status (beside SyncerCore.status)."""
+        return {"core_queue": self.core_queue_depth(), "loop_lag_seconds": round(self.loop_lag["last"], 4),
+                "loop_lag_max_seconds": round(self.loop_lag["max"], 4)}
+
+    async def status(self) -> dict:
+        """SyncerCore.status plus `stats`, without waiting for the core worker (a merge in progress)."""
+        return {**await self._ledger(self.core.status), **self.stats()}
+
+    async def watch_loop_lag(self, interval: float = 0.1) -> None:
+        """Measure, until cancelled, how late the event loop wakes from a sleep of `interval`: anything run on the
+        loop for long (instead of on a worker) shows here, as a delay of every RPC."""
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(interval)
+            lag = max(0.0, loop.time() - before - interval)
+            self.loop_lag["last"] = lag
+            self.loop_lag["max"] = max(self.loop_lag["max"], lag)
+            self.metrics.loop_lag.observe(lag)
+
+    def shutdown(self) -> None:
+        """Stop the worker threads (after the calls queued on them)."""
+        self._pool.shutdown(wait=True)
+        self._ledger_pool.shutdown(wait=True)
 
     def _count_in(self, message) -> None:
         self.metrics.wire_bytes.labels("received").inc(wire_size(message))
@@ -291,7 +343,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                                data_position=record.data_position, total_bytes=total)
         yield self._count_out(pb.JoinReply(header=header))
         for index, version, values in snapshot:
-            for blob in blobs(index, version, codec.encode(values, "fp32")):
+            encoded = await asyncio.to_thread(codec.encode, values, "fp32")  # a copy of the fragment: not on the loop
+            for blob in blobs(index, version, encoded):
                 yield self._count_out(pb.JoinReply(blob=blob))
         self.wake.set()
 
@@ -451,12 +504,14 @@ class SyncerService(pb_grpc.SyncerServicer):
                 parts.append(chunk.data)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push without a header")
-        payload = codec.Encoded(header.codec, header.numel, b"".join(parts), header.checksum)
+        def push():  # on the core worker: joining the parts copies the whole payload
+            payload = codec.Encoded(header.codec, header.numel, b"".join(parts), header.checksum)
+            parts.clear()
+            return self.core.push(header.learner_id, header.session, header.seq, header.fragment, header.base_version,
+                                  header.steps, header.tokens, payload, header.data_position, time.monotonic() - started)
+
         try:
-            result = await self._core(
-                self.core.push, header.learner_id, header.session, header.seq, header.fragment, header.base_version,
-                header.steps, header.tokens, payload, header.data_position, time.monotonic() - started,
-            )
+            result = await self._core(push)
         except Refused as e:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "session", str(e))
         if not result.accepted:
@@ -525,22 +580,24 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._count_in(request)
         await self._authenticate(context, request.learner_id, request.session)
         progress = await self._check_progress(request, context)
-        try:
-            stop = await self._core(self.core.heartbeat, request.learner_id, request.session, **progress)
+        started = time.monotonic()
+        try:  # beside the core worker: a merge in progress does not delay it
+            stop, lead, tokens, progress_share = await self._ledger(
+                self.core.heartbeat_reply, request.learner_id, request.session, **progress)
         except Refused as e:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "session", str(e))
+        self.metrics.heartbeat_seconds.observe(time.monotonic() - started)
         self._samples[request.learner_id] = (request.session, bounds.Sample(request.step, request.tokens_trained,
                                                                             time.monotonic()))
-        lead = await self._core(self.core.phase_lead, request.learner_id)
         self.wake.set()
-        return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=min(self.core.tokens_trained(), 2**64 - 1),
-                                                 budget_progress=self.core.budget_progress(), phase_lead=lead))
+        return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=min(tokens, 2**64 - 1),
+                                                 budget_progress=progress_share, phase_lead=lead))
 
     @_guarded
     async def Leave(self, request, context):
         self._count_in(request)
         try:
-            await self._core(self.core.leave, request.learner_id, request.session)
+            await self._ledger(self.core.leave, request.learner_id, request.session)
         except Refused:
             return self._count_out(pb.LeaveReply())  # leaving twice, or after a re-join elsewhere, is harmless
         log.info("learner %s left", request.learner_id)
@@ -549,17 +606,22 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     # ---- rounds -------------------------------------------------------------------------------------------
     async def run_rounds(self, stop: asyncio.Event) -> None:
-        """Close rounds when the policy says so: after each request, and at the times it asks to be woken."""
-        while not stop.is_set():
-            publications = await self._core(self.core.poll)
-            self.deliver(publications)
-            wake_at = await self._core(self.core.next_wakeup)
-            timeout = None if wake_at is None else max(0.0, wake_at - self.core.clock())
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), timeout=min(timeout, 1.0) if timeout is not None else 1.0)
-            except asyncio.TimeoutError:
-                pass
+        """Close rounds when the policy says so: after each request, and at the times it asks to be woken. Also
+        watches the event loop's lag meanwhile."""
+        lag = asyncio.create_task(self.watch_loop_lag())
+        try:
+            while not stop.is_set():
+                publications = await self._core(self.core.poll)
+                self.deliver(publications)
+                wake_at = await self._core(self.core.next_wakeup)
+                timeout = None if wake_at is None else max(0.0, wake_at - self.core.clock())
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=min(timeout, 1.0) if timeout is not None else 1.0)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            lag.cancel()
 
     async def drain(self) -> None:
         """At shutdown: merge whatever is pending and send it out."""

@@ -1,70 +1,133 @@
 """The syncer's durable state (DESIGN §3.8): a manifest naming one consistent set of files.
 
 Every write goes to a temporary file, is fsynced and renamed; the manifest is replaced last, so a crash at any
-point leaves the previous manifest and every file it names intact. Superseded files are removed only after the new
-manifest is in place.
+point leaves the previous manifest and every file it names intact. The manifest records each file's size and
+SHA-256; a load verifies them (and that every name stays inside the folder) before trusting a byte. The previous
+generation is kept as well (`manifest.prev.json` and the files it names) until a newer one is fully written, so a
+damaged newest generation can be recovered from (`StateStore(recover=True)`, the syncer's `--state-recover`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import logging
+import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from diloco.atomic import fsync_dir, save_tensors, write_bytes, write_json
 
 MANIFEST = "manifest.json"
+PREVIOUS = "manifest.prev.json"
 ROUND_LOG = "rounds.jsonl"
+OWNED = re.compile(r"^(fragment-\d+-v\d+\.safetensors|ledger-\d+\.json)(\.tmp)?$")
+"""Names of the files the store writes (and may delete): nothing else in the folder is ever removed."""
+FRAGMENT = re.compile(r"^fragment-(\d+)-v(\d+)\.safetensors$")
+
+log = logging.getLogger("diloco.syncer")
+
+
+class StateError(ValueError):
+    """The state directory cannot be resumed from; the message names the file and what to do."""
+
+
+class Damaged(Exception):
+    """One file of a generation fails a check: `name` (inside the folder) and why."""
+
+    def __init__(self, name: str, why: str):
+        super().__init__(f"{name}: {why}")
+        self.name, self.why = name, why
 
 
 @dataclass
 class Loaded:
     ledger: dict
     fragments: dict[int, dict[str, torch.Tensor]]
+    generation: int = 0
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def fragment_version(name: str) -> tuple[int, int] | None:
+    """(index, version) from a fragment file's name, None when it is not one."""
+    m = FRAGMENT.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def safe_name(name) -> bool:
+    """A plain file name inside the folder: no separator, no `..`, not absolute, not empty."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and os.sep not in name and (os.altsep is None or os.altsep not in name) and "\0" not in name
+            and not os.path.isabs(name))
 
 
 class StateStore:
-    """Files under `folder`: manifest.json, ledger-<n>.json, fragment-<p>-v<version>.safetensors."""
+    """Files under `folder`: manifest.json, manifest.prev.json, ledger-<n>.json, fragment-<p>-v<version>.safetensors."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, recover: bool = False):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.recover = recover
         self.generation = 0
         self.files: dict[str, str] = {}
-        if (self.folder / MANIFEST).exists():
-            manifest = json.loads((self.folder / MANIFEST).read_text())
-            self.generation, self.files = manifest["generation"], manifest["files"]
+        self.integrity: dict[str, list] = {}
+        """{name: [size, sha256]} of the files the current manifest names."""
+        try:  # leniently: load() verifies; a save without a load builds on what the manifest names
+            manifest = self._read_manifest(MANIFEST)
+            if manifest is not None:
+                self.generation, self.files = manifest["generation"], manifest["files"]
+                self.integrity = manifest.get("integrity", {})
+        except Damaged:
+            pass
 
     @property
     def exists(self) -> bool:
         return bool(self.files)
 
+    def _manifest(self) -> dict:
+        return {"generation": self.generation, "files": dict(self.files), "integrity": dict(self.integrity)}
+
     def save(self, ledger: dict, fragments: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> None:
-        """Write the ledger and the given fragments ({index: (version, tensors)}), then switch the manifest."""
-        self.generation += 1
-        files = dict(self.files)
+        """Write the ledger and the given fragments ({index: (version, tensors)}), then switch the manifest.
+        Raises OSError (naming the path) when the folder cannot take them; the current state is then unchanged."""
+        generation = self.generation + 1
+        files, integrity = dict(self.files), dict(self.integrity)
         for index, (version, tensors) in fragments.items():
             name = f"fragment-{index}-v{version}.safetensors"
-            save_tensors(self.folder / name, tensors)
+            integrity[name] = list(save_tensors(self.folder / name, tensors))
             files[f"fragment-{index}"] = name
-        ledger_name = f"ledger-{self.generation}.json"
-        write_json(self.folder / ledger_name, ledger)
+        ledger_name = f"ledger-{generation}.json"
+        integrity[ledger_name] = list(write_json(self.folder / ledger_name, ledger))
         files["ledger"] = ledger_name
+        integrity = {name: integrity[name] for name in files.values() if name in integrity}
         fsync_dir(self.folder)
-        write_json(self.folder / MANIFEST, {"generation": self.generation, "files": files})
+        previous = self._manifest()
+        if self.files:  # the generation being replaced stays loadable until the next one is fully written
+            write_json(self.folder / PREVIOUS, previous)
+        write_json(self.folder / MANIFEST, {"generation": generation, "files": files, "integrity": integrity})
         fsync_dir(self.folder)
-        stale = set(self.files.values()) - set(files.values())
-        self.files = files
-        for name in stale:
-            (self.folder / name).unlink(missing_ok=True)
+        self.generation, self.files, self.integrity = generation, files, integrity
+        keep = set(files.values()) | set(previous["files"].values())
+        for path in self.folder.iterdir():  # superseded generations, and what a failed write left behind
+            if OWNED.match(path.name) and path.name not in keep and not path.is_symlink() and path.is_file():
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as e:  # the new state is in place: a file left over is only wasted space
+                    log.warning("cannot remove the superseded %s: [Errno %s] %s", path, e.errno, e.strerror)
 
     def append_round(self, entry: tuple) -> None:
-        """One line per closed round, appended (not fsynced): the history behind uptime, not needed to resume."""
-        with open(self.folder / ROUND_LOG, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        """One line per closed round, appended (not fsynced): the history behind uptime, not needed to resume.
+        A full or read-only disk loses the line (logged), never the round."""
+        try:
+            with open(self.folder / ROUND_LOG, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            log.error("cannot append to %s: [Errno %s] %s", self.folder / ROUND_LOG, e.errno, e.strerror)
 
     def rounds(self, last: int) -> list[tuple]:
         """The last `last` rounds of the history; a line cut by a crash is skipped."""
@@ -72,7 +135,7 @@ class StateStore:
         if not path.exists():
             return []
         out = []
-        for line in path.read_text().splitlines()[-last:]:
+        for line in path.read_text(errors="replace").splitlines()[-last:]:
             try:
                 out.append(tuple(json.loads(line)))
             except json.JSONDecodeError:
@@ -82,13 +145,136 @@ class StateStore:
     def rewrite_rounds(self, entries: list[tuple]) -> None:
         write_bytes(self.folder / ROUND_LOG, "".join(json.dumps(list(e)) + "\n" for e in entries).encode())
 
-    def load(self) -> Loaded | None:
-        """The newest consistent state, or None when nothing was ever saved."""
-        if not self.files:
+    # ---- loading --------------------------------------------------------------------------------------------
+    def _read_manifest(self, name: str) -> dict | None:
+        path = self.folder / name
+        if not path.exists():
             return None
-        ledger = json.loads((self.folder / self.files["ledger"]).read_text())
+        try:
+            manifest = json.loads(path.read_bytes())
+        except (ValueError, OSError) as e:
+            raise Damaged(name, f"unreadable ({e})") from None
+        if (not isinstance(manifest, dict) or not isinstance(manifest.get("generation"), int)
+                or not isinstance(manifest.get("files"), dict) or "ledger" not in manifest["files"]
+                or not isinstance(manifest.get("integrity", {}), dict)):
+            raise Damaged(name, "not a manifest (generation, files with a ledger, integrity)")
+        for fname, entry in manifest.get("integrity", {}).items():
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                    and isinstance(entry[1], str)):
+                raise Damaged(name, f"records {entry!r} for {fname!r}, not [size, sha256]")
+        for key, fname in manifest["files"].items():
+            if not safe_name(fname):
+                raise Damaged(name, f"names {fname!r} for {key!r}, which is not a plain file name inside the state "
+                                    f"directory (refused: nothing outside it is read or deleted)")
+            if key != "ledger" and (not key.startswith("fragment-") or fragment_version(fname) is None
+                                    or f"fragment-{fragment_version(fname)[0]}" != key):
+                raise Damaged(name, f"names {fname!r} for {key!r}, which is not that fragment's file")
+        return manifest
+
+    def _read_file(self, manifest: dict, name: str) -> bytes:
+        path = self.folder / name
+        if path.is_symlink() or not path.is_file():
+            raise Damaged(name, "missing" if not path.exists() and not path.is_symlink()
+                          else "not a regular file (a link or a folder)")
+        data = path.read_bytes()
+        expected = manifest.get("integrity", {}).get(name)
+        if expected is not None:
+            size, digest = expected
+            if len(data) != size:
+                raise Damaged(name, f"size mismatch: {len(data)} bytes, the manifest recorded {size}")
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise Damaged(name, "hash mismatch: its SHA-256 is not the one the manifest recorded")
+        return data
+
+    def _load_generation(self, manifest: dict, check: Callable[[Loaded], None] | None) -> Loaded:
+        if "integrity" not in manifest:
+            log.warning("%s was written by an older version without hashes: its files are not verified",
+                        self.folder / MANIFEST)
+        files = manifest["files"]
+        try:
+            ledger = json.loads(self._read_file(manifest, files["ledger"]))
+        except ValueError as e:
+            raise Damaged(files["ledger"], f"not valid JSON ({e})") from None
+        if not isinstance(ledger, dict):
+            raise Damaged(files["ledger"], "not a ledger (a JSON object)")
         fragments = {}
-        for key, name in self.files.items():
-            if key.startswith("fragment-"):
-                fragments[int(key.split("-")[1])] = load_file(str(self.folder / name))
-        return Loaded(ledger, fragments)
+        for key, name in files.items():
+            if key == "ledger":
+                continue
+            try:
+                tensors = load_safetensors(self._read_file(manifest, name))
+            except Damaged:
+                raise
+            except Exception as e:  # noqa: BLE001 (safetensors' own error type)
+                raise Damaged(name, f"not a readable safetensors file ({e})") from None
+            for tname, t in tensors.items():
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise Damaged(name, f"tensor {tname!r} contains NaN or Inf")
+            fragments[int(key.split("-")[1])] = tensors
+        loaded = Loaded(ledger, fragments, manifest["generation"], dict(files))
+        if check is not None:
+            try:
+                check(loaded)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+                raise Damaged(files["ledger"], f"not a consistent ledger ({type(e).__name__}: {e})") from None
+        return loaded
+
+    def _damaged(self, e: Damaged, generation: int | None) -> str:
+        where = f"generation {generation}" if generation is not None else "the newest state"
+        return f"{self.folder / e.name} is damaged ({e.why}) in {where}"
+
+    def _previous_offer(self, newest: int | None) -> str:
+        if (self.folder / PREVIOUS).exists():
+            try:
+                gen = self._read_manifest(PREVIOUS)["generation"]
+            except Damaged:
+                gen = None
+            return (f"start with --state-recover to resume from the previous consistent state"
+                    f"{f' (generation {gen})' if gen is not None else ''}; rounds after it are lost, learners "
+                    f"resynchronise")
+        return (f"no previous consistent state is kept: restore the file from a backup, or move {self.folder} "
+                f"aside to start a new run (then restart the learners too)")
+
+    def load(self, check: Callable[[Loaded], None] | None = None) -> Loaded | None:
+        """The newest consistent state, or None when nothing was ever saved. Every file is verified (inside the
+        folder, size and SHA-256, finite tensors) and then `check(loaded)` (which raises Damaged) runs; a failure
+        raises StateError naming the file, or with `recover` falls back to the previous generation."""
+        names = [p.name for p in self.folder.iterdir()]
+        manifest = None
+        try:
+            manifest = self._read_manifest(MANIFEST)
+            if manifest is None:
+                if PREVIOUS in names:
+                    raise Damaged(MANIFEST, "missing, though manifest.prev.json is there")
+                if any(OWNED.match(n) for n in names):
+                    raise StateError(
+                        f"state directory {self.folder} has fragment files but no manifest: {MANIFEST} was deleted "
+                        f"or the directory was copied in part; restore {MANIFEST} from a backup, or move "
+                        f"{self.folder} aside to start a new run (then restart the learners too)")
+                return None
+            loaded = self._load_generation(manifest, check)
+            self._adopt(manifest)
+            return loaded
+        except Damaged as e:
+            gen = manifest["generation"] if manifest is not None else None
+            newest_error = self._damaged(e, gen)
+            if not self.recover:
+                raise StateError(f"{newest_error}; {self._previous_offer(gen)}") from None
+        log.error("%s; --state-recover: trying the previous consistent state", newest_error)
+        try:
+            previous = self._read_manifest(PREVIOUS)
+            if previous is None:
+                raise Damaged(PREVIOUS, "missing: no previous consistent state is kept")
+            loaded = self._load_generation(previous, check)
+        except Damaged as e:
+            raise StateError(f"{newest_error}; the previous state is damaged too: {self._damaged(e, None)}; move "
+                             f"{self.folder} aside to start a new run (then restart the learners too)") from None
+        log.warning("recovered from the previous consistent state in %s (generation %d)", self.folder,
+                    previous["generation"])
+        self._adopt(previous)
+        return loaded
+
+    def _adopt(self, manifest: dict) -> None:
+        """Saves go on from this generation (after a recovery: the damaged one is overwritten and removed)."""
+        self.generation, self.files = manifest["generation"], dict(manifest["files"])
+        self.integrity = dict(manifest.get("integrity", {}))
