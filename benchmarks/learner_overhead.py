@@ -117,6 +117,7 @@ def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
     learner = Learner(model, GrpcTransport(syncer, **join_deadlines(GrpcTransport)), "bench") if syncer else None
     rss_before_training = peak_rss_bytes()
     tokens = torch.Generator().manual_seed(0)
+    in_step: list[float] = []  # seconds inside Learner.step: the training thread's own cost of the learner
 
     def one_step() -> None:
         rows = torch.randint(0, vocab, (batch, seq_len + 1), generator=tokens)
@@ -126,10 +127,13 @@ def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
         optimizer.step()
         value = loss.item()  # both variants read the loss, as a real loop does
         if learner is not None:
+            t0 = time.perf_counter()
             learner.step(tokens=batch * seq_len, loss=value)
+            in_step.append(time.perf_counter() - t0)
 
     for _ in range(warmup):
         one_step()
+    in_step.clear()
     started = time.perf_counter()
     for _ in range(steps):
         one_step()
@@ -140,7 +144,8 @@ def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
                   parameters=sum(p.numel() for p in model.parameters()),
                   peak_rss_before_training=rss_before_training, peak_rss_before_finish=peak_rss_bytes())
     if learner is not None:
-        result.update(pushes=learner.pushes, applied=learner.applied, skipped=learner.skipped)
+        result.update(pushes=learner.pushes, applied=learner.applied, skipped=learner.skipped,
+                      learner_step_seconds_total=sum(in_step), learner_step_seconds_max=max(in_step, default=0.0))
         learner.finish()
         result.update(wire_bytes=learner.transport.wire_bytes)
     result["peak_rss"] = peak_rss_bytes()  # finish() pushes every fragment's remaining progress at once
@@ -177,6 +182,8 @@ def summarise(name: str, runs: list[dict], steps: int, warmup: int) -> dict:
         learner_tokens_per_second=median("learner", "tokens_per_second"),
         tokens_per_second_ratio=median("learner", "tokens_per_second") / median("plain", "tokens_per_second"),
         step_time_overhead=overhead,
+        # the learner's cost on the training thread alone: time inside Learner.step over the run's step time
+        training_thread_share=median("learner", "learner_step_seconds_total") / (steps * median("learner", "step_seconds")),
         plain_peak_rss=median("plain", "peak_rss"), learner_peak_rss=median("learner", "peak_rss"),
         rss_diff=rss_diff, rss_diff_over_model=rss_diff / model_bytes,
         rss_diff_to_last_step=median("learner", "peak_rss_before_finish") - median("plain", "peak_rss_before_finish"),
@@ -207,7 +214,8 @@ def print_table(summary: dict) -> None:
     console = Console()
     console.print(table)
     console.print(f"step-time overhead {100 * summary['step_time_overhead']:+.1f}% (target <= "
-                  f"{100 * TARGET_OVERHEAD:.0f}%); tokens/s ratio {summary['tokens_per_second_ratio']:.3f}")
+                  f"{100 * TARGET_OVERHEAD:.0f}%); tokens/s ratio {summary['tokens_per_second_ratio']:.3f}; "
+                  f"time inside Learner.step {100 * summary['training_thread_share']:.1f}% of the step time")
     console.print(f"peak RSS difference {summary['rss_diff'] / mib:,.0f} MiB = {summary['rss_diff_over_model']:.2f}x "
                   f"the fp32 model ({summary['model_bytes'] / mib:,.0f} MiB; target <= {TARGET_RSS_OVER_MODEL}x); "
                   f"up to the last step (before finish) {summary['rss_diff_to_last_step'] / mib:,.0f} MiB = "
