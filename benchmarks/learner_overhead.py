@@ -38,12 +38,12 @@ TARGET_RSS_OVER_MODEL = 1.2
 
 
 # ---- the syncer, in a process of its own ----------------------------------------------------------------------
-def _serve(conn, learners: int) -> None:
+def _serve(conn, learners: int, overrides: dict) -> None:
     """Body of the syncer process: serve until told to stop, then send back the final status."""
     torch.set_num_threads(1)  # leave the other cores to the learner
     from diloco import ServerOptions, SyncerThread, for_mode
 
-    syncer = SyncerThread(for_mode("decoupled", learners), ServerOptions(listen="127.0.0.1:0", http=None))
+    syncer = SyncerThread(for_mode("decoupled", learners, **overrides), ServerOptions(listen="127.0.0.1:0", http=None))
     conn.send(syncer.address)
     conn.recv()
     status = syncer.stop(timeout=300)
@@ -54,10 +54,10 @@ class SyncerProcess:
     """`with SyncerProcess() as syncer:` a decoupled-mode syncer at `syncer.address` in a spawned process;
     `syncer.final_status` holds its last status once the block is left."""
 
-    def __init__(self, learners: int = 1):
+    def __init__(self, learners: int = 1, **overrides):
         context = multiprocessing.get_context("spawn")  # a clean interpreter, no copy of this process's memory
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, learners), daemon=True)
+        self._process = context.Process(target=_serve, args=(child, learners, overrides), daemon=True)
         self.address = ""
         self.final_status: dict = {}
 
@@ -152,9 +152,9 @@ def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
     return result
 
 
-def measure(name: str, with_learner: bool, steps: int, warmup: int) -> dict:
+def measure(name: str, with_learner: bool, steps: int, warmup: int, keep_overlap: bool = True) -> dict:
     """One worker run in a fresh interpreter (its own peak RSS), against a fresh syncer when with_learner."""
-    syncer = SyncerProcess() if with_learner else contextlib.nullcontext()
+    syncer = SyncerProcess(keep_overlap=keep_overlap) if with_learner else contextlib.nullcontext()
     with syncer:
         command = [sys.executable, __file__, "--model", name, "--steps", str(steps), "--warmup", str(warmup),
                    "--worker"] + (["--syncer", syncer.address] if with_learner else [])
@@ -225,6 +225,9 @@ def print_table(summary: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="gpt2-124m")
+    p.add_argument("--keep-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="decoupled mode's apply rule (on); --no-keep-overlap measures the paper's overwrite, which "
+                        "keeps no snapshot of a fragment in flight")
     p.add_argument("--steps", type=int, default=30, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones")
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating")
@@ -238,7 +241,7 @@ def main() -> int:
     runs = []
     for repeat in range(args.repeats):
         for with_learner in (False, True):
-            run = measure(args.model, with_learner, args.steps, args.warmup)
+            run = measure(args.model, with_learner, args.steps, args.warmup, args.keep_overlap)
             print(f"repeat {repeat + 1}/{args.repeats} {run['variant']:>7}: {run['tokens_per_second']:,.1f} tokens/s, "
                   f"peak RSS {run['peak_rss'] / 2**20:,.0f} MiB", file=sys.stderr)
             runs.append(run)
