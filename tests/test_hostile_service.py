@@ -24,7 +24,7 @@ from diloco.learner.transport import SyncerError
 from diloco.syncer.core import Publication
 from diloco.syncer.metrics import SyncerMetrics, reason_label
 from diloco.syncer.server import ServerOptions, SyncerThread
-from diloco.syncer.service import UpdateQueue
+from diloco.syncer.updates import UpdateQueue
 from diloco.wire import bounds
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc

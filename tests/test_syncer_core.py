@@ -7,7 +7,8 @@ from diloco import codec
 from diloco.config import for_mode
 from diloco.fragments import TensorSpec, plan_fragments
 from diloco.learner.transport import Receiver
-from diloco.syncer.core import Refused, SyncerCore, tensor_checksum
+from diloco.syncer.core import Refused, SyncerCore
+from diloco.syncer.downlink import tensor_checksum
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from diloco.config import SyncConfig
-from diloco.fragments import Fragment, fit_fragments, full, named_state, plan_fragments, scatter, tensor_specs
+from diloco.fragments import Fragment, fit_fragments, full, gather, named_state, plan_fragments, scatter, tensor_specs
 from diloco.learner.island import Island
 from diloco.learner.staging import Snapshot, snapshot, to_device
 from diloco.learner.transport import Arrival, PushJob, SyncerError, Transport
@@ -74,7 +74,7 @@ class InitialValues:
 
     def __iter__(self):
         for f in self.layout:
-            yield torch.cat([self.state[s.name].detach().reshape(-1).to("cpu", torch.float32) for s in f.specs])
+            yield gather(self.state, f)
 
 
 class Learner:

@@ -14,7 +14,8 @@ from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
 from diloco.learner.staging import Snapshot
-from diloco.syncer.core import Publication, Refused, SyncerCore, tensor_checksum
+from diloco.syncer.core import Refused, SyncerCore
+from diloco.syncer.downlink import Publication, tensor_checksum
 
 
 class SyncerError(RuntimeError):

@@ -31,18 +31,15 @@ from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragmen
 from diloco.merge import StreamingMerge, token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, RoundState, decide
-from diloco.schedule import offset
 from diloco.syncer.ledger import LearnerRecord
-from diloco.syncer import persistence
+from diloco.syncer import downlink, persistence, phase
+from diloco.syncer.downlink import Publication
 from diloco.syncer.store import StateStore
 
 
 LEARNER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 NORM_HISTORY = 32
 NORM_MIN_SAMPLES = 8
-WINDOW = 8
-"""Most downlink changes kept per fragment; fewer when together they would be as large as full fp32 values."""
-
 
 def check_learner_id(learner_id: str) -> str:
     if not LEARNER_ID.fullmatch(learner_id):
@@ -99,31 +96,11 @@ class FragmentState:
 
 
 @dataclass(frozen=True)
-class Publication:
-    """One merged fragment on its way to one learner: full values, or the change from what it holds."""
-
-    learner: str
-    fragment: int
-    version: int
-    payload: codec.Encoded
-    full: bool
-    result_checksum: int
-    """CRC-32 of the fp32 values the learner must hold after applying, so drift is caught, never trained on."""
-    seq: int = 0
-    """The push this answers; the learner ignores answers to pushes it no longer waits for. 0 for the first links of
-    a chain of changes (and any other value it must hold without applying it), since learners number pushes from 1."""
-
-
-@dataclass(frozen=True)
 class PushResult:
     accepted: bool
     reason: str = ""
     duplicate: bool = False
     resync: bool = False
-
-
-def tensor_checksum(x: torch.Tensor) -> int:
-    return codec.checksum(x.contiguous().numpy())  # the bytes in place: no copy of the fragment
 
 
 class SyncerCore:
@@ -411,7 +388,7 @@ class SyncerCore:
         fs = self.fragments[fragment]
         record.versions[fragment] = fs.version
         return Publication(learner_id, fragment, fs.version, codec.encode(fs.values, "fp32"), True,
-                           self._checksum(fs), seq)
+                           downlink.checksum(fs), seq)
 
     def poll(self, force: bool = False) -> list[Publication]:
         """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom. Worker
@@ -455,54 +432,22 @@ class SyncerCore:
         policy, expected = self.policy, {}
         if policy.expect_steps:
             expected = {i: at for i in live - state.contributors
-                        if (at := self._predicted_push(self.learners[i], index, now)) is not None}
+                        if (at := phase.predicted_push(self.learners[i], index, now, self.cfg.sync_every,
+                                                       self.cfg.fragments)) is not None}
         return decide(state, live, avg, now, policy, expected)
 
-    def _position(self, record: LearnerRecord, now: float) -> float | None:
-        """Where the learner is in the push schedule now, in steps modulo H: the offset of its last push plus the
-        steps since (DESIGN §3.2). None when unknown or when it has stopped pushing (hung, or left)."""
-        if record.last_push is None or not record.step_time.value:
-            return None
-        at, last = record.last_push
-        H, P = self.cfg.sync_every, self.cfg.fragments
-        steps = (now - at) / record.step_time.value
-        if steps > 2 * H / P + 1:
-            return None
-        return (offset(last, H, P) + steps) % H
-
     def phase_lead(self, learner_id: str) -> float | None:
-        """Steps by which this learner's push schedule runs ahead of its reference's (negative: behind), circular
-        over the period H; None when unknown or when it is the reference. The reference is the live learner of
-        similar speed (within 1.5×) whose session began first: it never moves, so a learner that rejoins at a
-        random phase moves to the others instead of pulling them apart. Learners that follow it push each
-        fragment together, so rounds fill."""
+        """Steps by which this learner's push schedule runs ahead of its reference's (negative: behind); see
+        phase.phase_lead. Learners that follow the reference push each fragment together, so rounds fill."""
         with self.lock:
             return self._phase_lead(learner_id)
 
     def _phase_lead(self, learner_id: str) -> float | None:
-        record, now = self.learners.get(learner_id), self.clock()
-        if record is None or self._position(record, now) is None:
+        record = self.learners.get(learner_id)
+        if record is None:
             return None
-        positions = {}  # of itself and its live peers of similar speed
-        for i in self.live() | {learner_id}:
-            peer = self.learners[i]
-            at = self._position(peer, now)
-            if at is not None and 1 / 1.5 <= peer.step_time.value / record.step_time.value <= 1.5:
-                positions[i] = at
-        reference = min(positions, key=lambda i: (self.learners[i].joined_at, i))
-        if reference == learner_id:
-            return None
-        H = self.cfg.sync_every
-        return (positions[learner_id] - positions[reference] + H / 2) % H - H / 2
-
-    def _predicted_push(self, record: LearnerRecord, fragment: int, now: float) -> float | None:
-        """When `record`'s learner should next push `fragment`, from its position in the schedule and step time.
-        A push up to a step overdue is still expected (the time is then in the past): pushes come a little late."""
-        position = self._position(record, now)
-        if position is None:
-            return None
-        steps = (offset(fragment, self.cfg.sync_every, self.cfg.fragments) - position + 1) % self.cfg.sync_every - 1
-        return now + steps * record.step_time.value
+        peers = [self.learners[i] for i in self.live() - {learner_id}]
+        return phase.phase_lead(record, peers, self.clock(), self.cfg.sync_every, self.cfg.fragments)
 
     def _close(self, index: int, fs: FragmentState) -> list[Publication]:
         """Merge the round, take the outer step, persist, and return the publications. Worker thread, called
@@ -537,7 +482,7 @@ class SyncerCore:
         del delta, merging
         version = fs.version + 1
         if lossy:
-            self._publish_change(fs, version)
+            downlink.publish_change(fs, version, self.cfg.down_codec)
         # ---- the bookkeeping, under the lock
         with self.lock:
             fs.pending_share = pending_share
@@ -561,7 +506,7 @@ class SyncerCore:
             self.store.append_round(entry)
         self.persist([index])  # durable before it is published
         full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
-        out = [pub for c in contributions for pub in self._downlink(self.learners[c.learner], index, fs, c.seq, full)]
+        out = [pub for c in contributions for pub in downlink.publications(self.learners[c.learner], index, fs, c.seq, full)]
         seconds = time.monotonic() - started
         with self.lock:
             self.sync_avg.update(self.clock() - clock_started)
@@ -591,37 +536,6 @@ class SyncerCore:
         fallback = tokens / len(contributions)
         missing = sum(self.learners[i].contribution_tokens.value or fallback for i in self.live() - present)
         return tokens / (tokens + missing)
-
-    def _publish_change(self, fs: FragmentState, version: int) -> None:
-        """P_v = P_{v−1} + decode(encode(Θ_v − P_{v−1})): the change every learner holding P_{v−1} applies, v being
-        `version` (the fragment's next)."""
-        change = codec.encode_difference(fs.theta, fs.published, self.cfg.down_codec)
-        codec.decode_add(change, fs.published)  # the same fp32 sum the learner's Receiver computes
-        fs.checksum = (version, tensor_checksum(fs.published))
-        fs.changes.append((version, change, fs.checksum[1]))
-        # a chain is worth sending only while it is smaller than full values; older changes would never be sent
-        full = codec.encoded_size(fs.fragment.numel, "fp32")
-        while len(fs.changes) > WINDOW or (len(fs.changes) > 1 and sum(len(c.data) for _, c, _ in fs.changes) >= full):
-            fs.changes.popleft()
-
-    def _checksum(self, fs: FragmentState) -> int:
-        if fs.checksum is None or fs.checksum[0] != fs.version:
-            fs.checksum = (fs.version, tensor_checksum(fs.values))
-        return fs.checksum[1]
-
-    def _downlink(self, record: LearnerRecord, index: int, fs: FragmentState, seq: int,
-                  full: list[codec.Encoded]) -> list[Publication]:
-        """What takes `record`'s learner from the version it holds to P_v: the changes it misses, in order, when they
-        are all still kept (only the last answers `seq`), else full values (encoded once into `full`)."""
-        held, v = record.versions.get(index), fs.version
-        record.versions[index] = v
-        chain = [link for link in fs.changes if held is not None and link[0] > held]
-        if chain and chain[0][0] == held + 1:
-            return [Publication(record.id, index, w, change, False, crc, seq if w == v else 0)
-                    for w, change, crc in chain]
-        if not full:
-            full.append(codec.encode(fs.values, "fp32"))
-        return [Publication(record.id, index, v, full[0], True, self._checksum(fs), seq)]
 
     # ---- durability ---------------------------------------------------------------------------------------
     def persist(self, changed) -> None:

@@ -73,27 +73,26 @@ def exposure_problems(opts: ServerOptions) -> tuple[list[str], list[str]]:
     """What the listening addresses expose: (errors that refuse to start, warnings to log). Loopback is trusted;
     beyond it the gRPC port needs the run token, and the token must not travel in plaintext unless `insecure`."""
     errors, warnings = [], []
+
+    def plaintext(text: str, fix: str) -> None:  # allowed with --insecure, as a warning
+        if opts.insecure:
+            warnings.append(text + " (--insecure)")
+        else:
+            errors.append(f"{text}; {fix}, or --insecure to accept that")
+
     if not is_loopback(opts.listen):
         if not opts.token:
             errors.append(f"listening on {opts.listen} (beyond loopback) needs a shared secret: pass --token")
         elif opts.tls_cert is None:
-            text = (f"listening on {opts.listen} (beyond loopback) without TLS: the run token and the model travel "
-                    f"in plaintext")
-            if opts.insecure:
-                warnings.append(text + " (--insecure)")
-            else:
-                errors.append(text + "; pass --tls-cert and --tls-key, or --insecure to accept that")
+            plaintext(f"listening on {opts.listen} (beyond loopback) without TLS: the run token and the model travel "
+                      f"in plaintext", "pass --tls-cert and --tls-key")
     if opts.http and not is_loopback(opts.http):
         if not (opts.token or opts.status_token):
             errors.append(f"serving /status and /metrics on {opts.http} (beyond loopback) needs a secret: pass "
                           f"--status-token (or --token), or bind --http to 127.0.0.1")
         elif not opts.status_token:
-            text = (f"/status and /metrics on {opts.http} are plaintext HTTP: remote readers would send the run token "
-                    f"in the clear")
-            if opts.insecure:
-                warnings.append(text + " (--insecure)")
-            else:
-                errors.append(text + "; pass a separate read-only --status-token, or --insecure to accept that")
+            plaintext(f"/status and /metrics on {opts.http} are plaintext HTTP: remote readers would send the run "
+                      f"token in the clear", "pass a separate read-only --status-token")
     return errors, warnings
 
 

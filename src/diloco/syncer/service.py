@@ -16,18 +16,18 @@ was wrong (INVALID_ARGUMENT, UNAUTHENTICATED, FAILED_PRECONDITION), never UNKNOW
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
-import inspect
 import logging
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from diloco import codec
-from diloco.syncer.core import Publication, Refused, SyncerCore, check_learner_id
+from diloco.syncer.core import Refused, SyncerCore, check_learner_id
+from diloco.syncer.downlink import Publication
+from diloco.syncer.guard import guarded, short
+from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import bounds
@@ -36,101 +36,10 @@ from diloco.wire.bounds import shown
 from diloco.wire.messages import Assembler, blobs, specs_from_proto, wire_size
 
 log = logging.getLogger("diloco.syncer")
-BAD_INPUT = (ValueError, KeyError, IndexError, OverflowError, TypeError, codec.CorruptPayload)
-"""What bad input makes the code below raise; each becomes INVALID_ARGUMENT naming it, never UNKNOWN."""
-MAX_DETAILS = 1000
-"""Characters of an error's text in a status: gRPC refuses trailers over 16 KB (the client would see that instead)."""
-
-
-def _short(details: str) -> str:
-    return details if len(details) <= MAX_DETAILS else details[:MAX_DETAILS] + f"… ({len(details)} characters)"
-
-
-class _Context:
-    """The RPC's context, with every abort's message cut to MAX_DETAILS (it may quote what the client sent)."""
-
-    def __init__(self, context):
-        self._context = context
-
-    def __getattr__(self, name):
-        return getattr(self._context, name)
-
-    async def abort(self, code, details: str = "", trailing_metadata=()):
-        await self._context.abort(code, _short(details), trailing_metadata)
-
-
-def _guarded(method):
-    """An RPC handler whose unexpected exceptions from bad input become INVALID_ARGUMENT with their message, and
-    whose status messages are never longer than MAX_DETAILS."""
-    rpc = method.__name__
-
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
-            context = _Context(context)
-            replies = method(self, request, context)
-            try:
-                try:
-                    async for reply in replies:
-                        yield reply
-                except BAD_INPUT as e:
-                    await self._bad_input(context, rpc, e)
-            finally:
-                await replies.aclose()  # runs the handler's own clean-up now (its open-stream count)
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        context = _Context(context)
-        try:
-            return await method(self, request, context)
-        except BAD_INPUT as e:
-            await self._bad_input(context, rpc, e)
-    return unary
-
-
 IDLE = object()
 """Yielded by SyncerService._chunks when a client stream sent nothing for stall_timeout."""
 INIT_IDLE_STALLS = 10
 """An Init stream idle this many stall timeouts is ended (its lease passes on after one, as before)."""
-
-
-def _publication(item):
-    return item[0] if isinstance(item, tuple) else item
-
-
-class UpdateQueue:
-    """One learner's outgoing merged fragments and resyncs, bounded whether or not anybody reads them.
-
-    Full values for a fragment supersede everything queued for it (the learner ends up holding exactly them, which
-    is what the core recorded), so repeated refusals of one fragment keep one fp32 copy, not one each. Beyond
-    `limit` items (a client that pushes but never subscribes) the oldest is dropped."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.dropped = 0
-        self._items: deque = deque()
-        self._ready = asyncio.Event()
-
-    def put_nowait(self, item) -> None:
-        if item is not None:
-            pub = _publication(item)
-            if pub.full:
-                self._items = deque(i for i in self._items if i is None or _publication(i).fragment != pub.fragment)
-            while len(self._items) >= self.limit:
-                self._items.popleft()
-                self.dropped += 1
-        self._items.append(item)
-        self._ready.set()
-
-    async def get(self):
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-    def qsize(self) -> int:
-        return len(self._items)
 
 
 class SyncerService(pb_grpc.SyncerServicer):
@@ -217,7 +126,7 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     async def _bad_input(self, context, rpc: str, e: BaseException) -> None:
         self.metrics.refused("bad input")
-        text = _short(str(e) or type(e).__name__)
+        text = short(str(e) or type(e).__name__)
         log.warning("refused a %s request: %s", rpc, text)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {rpc} request: {text}")
 
@@ -307,7 +216,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         return header
 
     # ---- RPCs ---------------------------------------------------------------------------------------------
-    @_guarded
+    @guarded
     async def Join(self, request, context):
         self._count_in(request)
         await self._check_token(context, request.token)
@@ -348,7 +257,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 yield self._count_out(pb.JoinReply(blob=blob))
         self.wake.set()
 
-    @_guarded
+    @guarded
     async def Init(self, request_iterator, context):
         first, lease, idle = None, 0, 0
         chunks = self._chunks(request_iterator, context)
@@ -475,7 +384,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                                f"push of {header.total_bytes} bytes for fragment {header.fragment} exceeds "
                                f"its {limit}-byte size (wrong fragment, codec or model)")
 
-    @_guarded
+    @guarded
     async def Push(self, request_iterator, context):
         chunks = self._chunks(request_iterator, context)
         try:
@@ -531,7 +440,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                              resync=result.resync, stop=self.core.should_stop())
         return self._count_out(reply)
 
-    @_guarded
+    @guarded
     async def Subscribe(self, request, context):
         self._count_in(request)
         record = self.core.learners.get(request.learner_id)
@@ -575,7 +484,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         return dict(step=request.step, tokens_trained=request.tokens_trained, data_position=request.data_position,
                     pushes=request.pushes, applied=request.applied, **floats)
 
-    @_guarded
+    @guarded
     async def Heartbeat(self, request, context):
         self._count_in(request)
         await self._authenticate(context, request.learner_id, request.session)
@@ -593,7 +502,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=min(tokens, 2**64 - 1),
                                                  budget_progress=progress_share, phase_lead=lead))
 
-    @_guarded
+    @guarded
     async def Leave(self, request, context):
         self._count_in(request)
         try:

@@ -1,0 +1,69 @@
+"""What the syncer sends back: each fragment's published values P_v (what every learner holding version v holds)
+and a short window of encoded changes, so a learner one or a few versions behind gets the changes it missed and
+one further behind gets full values. No per-learner copy of the model (docs/architecture.md, Syncer memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diloco import codec
+from diloco.syncer.ledger import LearnerRecord
+
+WINDOW = 8
+"""Most downlink changes kept per fragment; fewer when together they would be as large as full fp32 values."""
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One merged fragment on its way to one learner: full values, or the change from what it holds."""
+
+    learner: str
+    fragment: int
+    version: int
+    payload: codec.Encoded
+    full: bool
+    result_checksum: int
+    """CRC-32 of the fp32 values the learner must hold after applying, so drift is caught, never trained on."""
+    seq: int = 0
+    """The push this answers; the learner ignores answers to pushes it no longer waits for. 0 for the first links of
+    a chain of changes (and any other value it must hold without applying it), since learners number pushes from 1."""
+
+
+def tensor_checksum(x: torch.Tensor) -> int:
+    return codec.checksum(x.contiguous().numpy())  # the bytes in place: no copy of the fragment
+
+
+def publish_change(fs, version: int, down_codec: str) -> None:
+    """P_v = P_{v−1} + decode(encode(Θ_v − P_{v−1})): the change every learner holding P_{v−1} applies, v being
+    `version` (the fragment's next). `fs` is the fragment's FragmentState."""
+    change = codec.encode_difference(fs.theta, fs.published, down_codec)
+    codec.decode_add(change, fs.published)  # the same fp32 sum the learner's Receiver computes
+    fs.checksum = (version, tensor_checksum(fs.published))
+    fs.changes.append((version, change, fs.checksum[1]))
+    # a chain is worth sending only while it is smaller than full values; older changes would never be sent
+    full = codec.encoded_size(fs.fragment.numel, "fp32")
+    while len(fs.changes) > WINDOW or (len(fs.changes) > 1 and sum(len(c.data) for _, c, _ in fs.changes) >= full):
+        fs.changes.popleft()
+
+
+def checksum(fs) -> int:
+    """CRC-32 of P_v, computed once per version."""
+    if fs.checksum is None or fs.checksum[0] != fs.version:
+        fs.checksum = (fs.version, tensor_checksum(fs.values))
+    return fs.checksum[1]
+
+
+def publications(record: LearnerRecord, index: int, fs, seq: int, full: list[codec.Encoded]) -> list[Publication]:
+    """What takes `record`'s learner from the version it holds to P_v: the changes it misses, in order, when they
+    are all still kept (only the last answers `seq`), else full values (encoded once into `full`)."""
+    held, v = record.versions.get(index), fs.version
+    record.versions[index] = v
+    chain = [link for link in fs.changes if held is not None and link[0] > held]
+    if chain and chain[0][0] == held + 1:
+        return [Publication(record.id, index, w, change, False, crc, seq if w == v else 0)
+                for w, change, crc in chain]
+    if not full:
+        full.append(codec.encode(fs.values, "fp32"))
+    return [Publication(record.id, index, v, full[0], True, checksum(fs), seq)]
