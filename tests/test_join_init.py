@@ -231,3 +231,16 @@ def test_a_live_id_is_refused_and_a_crashed_one_rejoins_at_once():
         again = Learner(small(seed=5), GrpcTransport(syncer.address, connect_timeout=10.0), "a")
         assert time.monotonic() - started < 10  # long before the 30 s absence timeout
         again.close()
+
+
+def test_finish_leaves_no_transport_thread_behind():
+    """A daemon thread still inside gRPC at interpreter exit can abort the process, so close() joins them all."""
+    with syncer_running(heartbeat_seconds=0.05) as syncer:
+        model = small()
+        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        threads = list(learner.transport._threads)
+        assert {t.name for t in threads} == {"learner-sender", "learner-receiver", "learner-heartbeat"}
+        for _ in range(8):
+            learner.step(16, loss=1.0)
+        learner.finish()
+        assert not [t.name for t in threads if t.is_alive()]

@@ -518,9 +518,13 @@ class GrpcTransport(HeartbeatNews):
             self._goodbye()
         if self._subscription is not None:
             self._subscription.cancel()
-        for thread in self._threads[1:]:
-            thread.join(5)
-        self.channel.close()
+        self.channel.close()  # ends every call still in flight, so the threads return promptly
+        # a daemon thread still inside gRPC when the interpreter exits can abort the process ("terminate called
+        # without an active exception"), so they are joined, not left behind
+        for thread in self._threads:
+            thread.join(self.rpc_timeout + 5)
+            if thread.is_alive():
+                log.warning("transport thread %s did not stop within %.0f s", thread.name, self.rpc_timeout + 5)
 
     def _goodbye(self) -> None:
         calls = [(self.stub.Leave, pb.LeaveRequest(learner_id=self.learner_id, session=self.session))]
