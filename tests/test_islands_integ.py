@@ -37,9 +37,10 @@ def torchrun(script: pathlib.Path, *args: str, ranks: int = 2) -> subprocess.Pop
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finished(proc: subprocess.Popen, timeout: float = 120) -> str:
+def finished(proc: subprocess.Popen, timeout: float = 120, result: pathlib.Path | None = None) -> str:
     out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-3000:]
+    # whether the result was written tells a crash in training from one at process exit
+    assert proc.returncode == 0, f"result written: {result.exists() if result else '?'}\n{out[-3000:]}"
     return out
 
 
@@ -98,7 +99,7 @@ def test_an_fsdp2_island_takes_its_shards_of_the_global_model_and_trains(tmp_pat
         save_file({k: v.contiguous() for k, v in first.state_dict().items()}, tmp_path / "global.safetensors")
         proc = torchrun(ROOT / "tests" / "workers" / "fsdp_island.py", syncer.address, str(tmp_path / "out.json"),
                         str(tmp_path / "global.safetensors"))
-        finished(proc)
+        finished(proc, result=tmp_path / "out.json")
         first_learner.finish()
     finally:
         status = syncer.stop()
