@@ -3,10 +3,13 @@
 import copy
 import threading
 
+import pytest
 import torch
 from torch import nn
 
+from diloco import codec
 from diloco.config import for_mode
+from diloco.fragments import TensorSpec
 from diloco.learner.learner import Learner
 from diloco.learner.transport import LocalSyncer, LocalTransport
 from diloco.syncer.core import SyncerCore
@@ -32,8 +35,14 @@ def train_steps(model, opt, learner, grads, tokens=10):
             learner.step(tokens)
 
 
+TOY = dict(norm_ceiling=0.0)
+"""A one-scalar model moved by several times its value per step: far over the outlier ceiling meant for real
+models, and beside the arithmetic these tests check."""
+
+
 def test_one_learner_h1_unit_lr_no_momentum_is_plain_training_fixed_gradient():
-    cfg = for_mode("decoupled", 1, fragments=1, sync_every=1, overlap=0, outer_lr=1.0, outer_momentum=0.0, codec="fp32", down_codec="fp32")
+    cfg = for_mode("decoupled", 1, fragments=1, sync_every=1, overlap=0, outer_lr=1.0, outer_momentum=0.0, codec="fp32",
+                   down_codec="fp32", **TOY)
     local = LocalSyncer(SyncerCore(cfg))
     model = FixedGradient()
     learner = Learner(model, LocalTransport(local), "solo")
@@ -92,7 +101,7 @@ def run_learners_in_threads(cfg, models, optimizers, schedules, tokens=10):
         except Exception as e:  # surfaced below: a thread's failure must fail the test
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(models))]
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(models))]
     for t in threads:
         t.start()
     for t in threads:
@@ -104,7 +113,7 @@ def run_learners_in_threads(cfg, models, optimizers, schedules, tokens=10):
 def test_k_equals_m_p1_reproduces_synchronous_diloco_by_hand():
     # Θ0 = 1, learners with fixed gradients 1 and 3, inner SGD lr 0.25, H = 2, η = 0.5, μ = 0.5, mean merge.
     # Each round Δ_m = 2·0.25·g_m, mean Δ = 1; v = 1, 1.5, 1.75; Θ = 0.25, −0.625, −1.5625 (by hand).
-    cfg = for_mode("diloco", 2, sync_every=2, outer_lr=0.5, outer_momentum=0.5, merge="mean")
+    cfg = for_mode("diloco", 2, sync_every=2, outer_lr=0.5, outer_momentum=0.5, merge="mean", **TOY)
     models = [FixedGradient(), FixedGradient()]
     opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in models]
     local = run_learners_in_threads(cfg, models, opts, [[1.0] * 6, [3.0] * 6])
@@ -263,3 +272,44 @@ def test_the_in_process_transport_honours_error_feedback():
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
     train_steps(model, opt, learner, [1.0])
     assert 0 in transport._feedback._residual  # the quantisation error is carried into the next push
+
+
+def test_paper_preset_takes_a_full_outer_step_for_each_k1_partial_round():
+    # Θ0 = 1, K = 1, P = 1, H = 2, τ = 0, inner SGD lr 0.25, DiLoCo's η = 0.7, μ = 0.9 (the paper preset).
+    # A (g = 1) pushes Δ_A = 0.5 alone: v = 0.5, Θ = 1 − 0.7·(0.5 + 0.9·0.5) = 0.335.
+    # B (g = 3, still on version 0) pushes Δ_B = 1.5 alone: v = 0.9·0.5 + 1.5 = 1.95,
+    # Θ = 0.335 − 0.7·(1.5 + 0.9·1.95) = −1.9435. Each learner overwrites with the result of its own round.
+    cfg = for_mode("decoupled", 2, preset="paper", fragments=1, sync_every=2, overlap=0, codec="fp32")
+    assert (cfg.outer_lr, cfg.outer_momentum, cfg.down_codec, cfg.scale_partial_rounds) == (0.7, 0.9, "fp32", False)
+    local = LocalSyncer(SyncerCore(cfg))
+    models = [FixedGradient(), FixedGradient()]
+    learners = [Learner(m, LocalTransport(local), name) for m, name in zip(models, "AB")]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in models]
+    train_steps(models[0], opts[0], learners[0], [1.0, 1.0])
+    assert models[0].w.item() == pytest.approx(0.335, abs=1e-6)
+    train_steps(models[1], opts[1], learners[1], [3.0, 3.0])
+    assert models[1].w.item() == pytest.approx(-1.9435, abs=1e-6)
+    fs = local.core.fragments[0]
+    assert fs.version == 2 and fs.theta.item() == pytest.approx(-1.9435, abs=1e-6)
+    assert fs.momentum.item() == pytest.approx(1.95, abs=1e-6)
+
+
+@pytest.mark.parametrize("preset, weight_b", [("paper", 3.0), ("default", 1.0)])
+def test_a_3h_step_contribution_weighs_tokens_squared_over_steps_in_the_paper_preset(preset, weight_b):
+    # One round, mean merge, fp32: A brings H = 2 steps of 10 tokens each and Δ_A = 1; B, back from a
+    # disconnection, 3H = 6 steps and Δ_B = 2. Paper: w = tokens²/steps, 20²/2 = 200 and 60²/6 = 600;
+    # default: B counts as H steps and 60·H/6 = 20 tokens, so w_B = w_A.
+    cfg = for_mode("decoupled", 2, preset=preset, fragments=1, sync_every=2, overlap=1, codec="fp32",
+                   down_codec="fp32", merge="mean", quorum=2, outer_lr=1.0, outer_momentum=0.0,
+                   scale_partial_rounds=False, delayed_momentum=False, norm_ceiling=0.0)
+    core = SyncerCore(cfg)
+    spec = [TensorSpec("w", (1,), "float32")]
+    core.initialize(spec, [torch.zeros(1)])
+    sa, sb = core.join("A", spec), core.join("B", spec)
+    assert core.push("A", sa, 1, 0, 0, 2, 20, codec.encode(torch.tensor([1.0]), "fp32")).accepted
+    assert core.push("B", sb, 1, 0, 0, 6, 60, codec.encode(torch.tensor([2.0]), "fp32")).accepted
+    core.poll(force=True)
+    w_a = 20**2 / 2
+    w_b = weight_b * w_a
+    expected = -(w_a * 1.0 + w_b * 2.0) / (w_a + w_b)  # Θ = 0 − η·Δ with η = 1, μ = 0
+    assert core.fragments[0].theta.item() == pytest.approx(expected, abs=1e-6)

@@ -47,9 +47,10 @@ def same(a, b) -> bool:
 
 
 @contextlib.contextmanager
-def syncer_running(stall_timeout: float = 60.0, **cfg):
+def syncer_running(stall_timeout: float = 60.0, allow_takeover: bool = False, **cfg):
     cfg = for_mode("decoupled", 2, **{"fragments": 2, "sync_every": 4, **cfg})
-    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, stall_timeout=stall_timeout))
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, stall_timeout=stall_timeout,
+                                             allow_takeover=allow_takeover))
     try:
         yield syncer
     finally:
@@ -244,3 +245,37 @@ def test_finish_leaves_no_transport_thread_behind():
             learner.step(16, loss=1.0)
         learner.finish()
         assert not [t.name for t in threads if t.is_alive()]
+
+
+def test_a_live_id_is_taken_over_only_with_its_session_secret_or_by_operator_choice():
+    with syncer_running(heartbeat_seconds=0.1, absent_after_seconds=30.0) as syncer:
+        first = Learner(small(), GrpcTransport(syncer.address), "a")
+        wait_for(lambda: {x["id"]: x["state"] for x in syncer.status.get("learners", [])}.get("a") == "live")
+        time.sleep(0.5)
+        with pytest.raises(SyncerError, match="already live"):  # a wrong secret is no better than none
+            Learner(small(), GrpcTransport(syncer.address, connect_timeout=1.0, session="guess"), "a")
+        again = Learner(small(), GrpcTransport(syncer.address, session=first.transport.session), "a")
+        assert again.transport.session != first.transport.session
+        wait_for(lambda: first.transport.error is not None)  # the old session is over: its calls are refused
+        again.close()
+        first.close()
+    with syncer_running(heartbeat_seconds=0.1, absent_after_seconds=30.0, allow_takeover=True) as syncer:
+        first = Learner(small(), GrpcTransport(syncer.address), "a")
+        wait_for(lambda: {x["id"]: x["state"] for x in syncer.status.get("learners", [])}.get("a") == "live")
+        time.sleep(0.5)
+        again = Learner(small(), GrpcTransport(syncer.address, connect_timeout=5.0), "a")
+        again.close()
+        first.close()
+
+
+def test_unknown_ids_and_wrong_secrets_are_answered_alike():
+    with syncer_running() as syncer:
+        learner = Learner(small(), GrpcTransport(syncer.address), "alpha")
+        stub = pb_grpc.SyncerStub(learner.transport.channel)
+        answers = []
+        for lid in ("alpha", "ghost"):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Heartbeat(pb.HeartbeatRequest(learner_id=lid, session="guess"), timeout=5)
+            answers.append((e.value.code(), e.value.details().replace(lid, "ID")))
+        assert answers[0] == answers[1] and answers[0][0] == grpc.StatusCode.UNAUTHENTICATED
+        learner.close()

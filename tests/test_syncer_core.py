@@ -61,12 +61,13 @@ def test_bad_contributions_are_refused_and_never_merged(mutate, reason):
 
 def test_unknown_learner_stale_session_and_bad_fragment():
     core, _ = make_core()
-    with pytest.raises(Refused, match="unknown learner"):
+    with pytest.raises(Refused, match="unknown learner or wrong session") as unknown:
         push(core, "ghost", "x", 1)
     s1 = core.join("a", SPECS)
     core.join("a", SPECS)  # re-join elsewhere: the first session is stale now
-    with pytest.raises(Refused, match="stale session"):
+    with pytest.raises(Refused, match="unknown learner or wrong session") as stale:
         push(core, "a", s1, 1)
+    assert str(unknown.value).replace("ghost", "a") == str(stale.value)  # which ids exist is not told
     s = core.learners["a"].session
     result = core.push("a", s, 1, 7, 0, 1, 1, codec.encode(torch.zeros(2), "fp32"))
     assert not result.accepted and "bad fragment" in result.reason
@@ -344,16 +345,79 @@ def test_scaling_can_be_disabled():
     assert torch.allclose(core.fragments[1].theta, before - 1.0, atol=1e-6)
 
 
-def test_norm_outlier_is_refused_and_counted():
+def test_a_huge_first_push_is_refused_by_the_ceiling_relative_to_the_fragment():
     core, _ = make_core(grace=0.0)
     s = core.join("a", SPECS)
-    for seq in range(1, 9):  # the running distribution: norm per step of about 0.5·√6/4
-        assert push(core, "a", s, seq, value=0.5).accepted
-        core.poll()
-    result = push(core, "a", s, 9, value=0.5 * 60)
+    # fragment 1 holds 0..5 (norm 7.4): a push of v everywhere over 4 steps is 0.61·v per step
+    result = push(core, "a", s, 1, value=20.0)
+    assert not result.accepted and result.resync and "norm over ceiling" in result.reason
+    assert core.refusals["norm over ceiling"] == 1 and core.fragments[1].pending == {}
+    # declaring more steps buys an allowance only up to 2·H steps
+    assert not push(core, "a", s, 2, value=20.0 * 3, steps=10**6).accepted
+    assert push(core, "a", s, 3, value=10.0).accepted
+
+
+def test_a_fragment_near_zero_gets_a_ceiling_all_the_same():
+    core, _ = make_core(grace=0.0)
+    core.fragments[1].theta.zero_()  # a zero-initialised layer
+    s = core.join("a", SPECS)
+    assert push(core, "a", s, 1, value=0.01).accepted
+    assert "norm over ceiling" in push(core, "a", s, 2, value=1.0).reason
+
+
+def feed(core, learners: dict[str, str], value: float, rounds: int, seq: dict[str, int]) -> None:
+    for _ in range(rounds):
+        for lid, session in learners.items():
+            seq[lid] = seq.get(lid, 0) + 1
+            assert push(core, lid, session, seq[lid], value=value).accepted
+            core.poll()
+
+
+def test_norm_outlier_against_accepted_contributions_is_refused_and_counted():
+    core, _ = make_core(grace=0.0, norm_ceiling=0.0)
+    s = core.join("a", SPECS)
+    seq = {}
+    feed(core, {"a": s}, 0.5, 4, seq)
+    result = push(core, "a", s, 5, value=0.5 * 60)
     assert not result.accepted and result.resync and "norm outlier" in result.reason
     assert core.refusals["norm outlier"] == 1 and core.fragments[1].pending == {}
-    assert push(core, "a", s, 10, value=0.6).accepted
+    assert push(core, "a", s, 6, value=0.6).accepted
+
+
+def test_refused_pushes_do_not_raise_the_reference():
+    core, _ = make_core(learners=3, grace=0.0, norm_ceiling=0.0)
+    honest, attacker = {"a": core.join("a", SPECS)}, core.join("x", SPECS)
+    seq = {}
+    feed(core, honest, 0.5, 4, seq)
+    for i in range(1, 60):  # 59 refused pushes at 40× ... 1000×
+        assert not push(core, "x", attacker, i, value=0.5 * (40 + 16 * i)).accepted
+    assert not push(core, "x", attacker, 60, value=0.5 * 60).accepted
+
+
+def test_zero_norm_phases_do_not_collapse_the_reference():
+    core, _ = make_core(grace=0.0, norm_ceiling=0.0)
+    s = core.join("a", SPECS)
+    seq = {}
+    feed(core, {"a": s}, 0.5, 4, seq)
+    feed(core, {"a": s}, 0.0, 40, seq)  # a frozen body: Δ = 0 for longer than the history
+    seq["a"] += 1
+    assert push(core, "a", s, seq["a"], value=0.5).accepted
+
+
+def test_most_learners_moving_together_move_the_reference_and_a_lone_outlier_does_not():
+    core, _ = make_core(learners=3, grace=0.0, norm_ceiling=0.0)
+    learners = {lid: core.join(lid, SPECS) for lid in ("a", "b", "c")}
+    seq = {}
+    feed(core, learners, 1e-4, 4, seq)  # a near-frozen phase
+    # one learner alone at 100×: refused, again and again
+    for _ in range(3):
+        seq["c"] += 1
+        assert "norm outlier" in push(core, "c", learners["c"], seq["c"], value=1e-2).reason
+    # a second learner at 100× makes two of three: the population moved, and both are merged from here on
+    seq["a"] += 1
+    assert push(core, "a", learners["a"], seq["a"], value=1e-2).accepted
+    core.poll()
+    feed(core, learners, 1e-2, 2, seq)
 
 
 @pytest.mark.parametrize("bad", ["", "-x", "a b", "ü", "x" * 65, "a/b"])
@@ -413,3 +477,24 @@ def test_phase_lead_is_measured_against_the_longest_running_peer_of_similar_spee
     clock.now = 110.0
     push(core, "a", sessions["a"], 2, fragment=0)
     assert core.phase_lead("a") is None
+
+
+def test_departed_learners_are_forgotten_after_a_while_and_beyond_a_cap(monkeypatch):
+    core, clock = make_core(grace=0.0, absent_after_seconds=10.0, forget_after_seconds=100.0)
+    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    assert push(core, "b", sb, 1).accepted  # pending in an open round until the next poll
+    core.leave("a", sa)
+    clock.now += 50
+    assert core.expire() == [] and set(core.learners) == {"a", "b"}
+    clock.now += 60  # both departed over 100 s ago; b is still waited on by its round
+    assert core.expire() == ["a"] and set(core.learners) == {"b"}
+    core.poll(force=True)
+    assert core.expire() == ["b"] and core.learners == {}
+    # an id flood: only the newest DEPARTED_KEPT departed records stay
+    monkeypatch.setattr("diloco.syncer.core.DEPARTED_KEPT", 3)
+    for i in range(5):
+        core.leave(f"x{i}", core.join(f"x{i}", SPECS))
+        clock.now += 1
+    assert core.expire() == ["x0", "x1"] and set(core.learners) == {"x2", "x3", "x4"}
+    live = core.join("x0", SPECS)  # a forgotten id joins afresh
+    assert core.learners["x0"].session == live and core.learners["x0"].data_position == 0

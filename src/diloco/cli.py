@@ -10,12 +10,13 @@ from pathlib import Path
 
 from diloco import __version__
 from diloco.codec import CODECS
-from diloco.config import MODES
+from diloco.config import MODES, PRESETS
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
-              "sync_buffers")
+              "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds",
+              "clamp_long_contributions")
 
 
 class UserError(Exception):
@@ -25,6 +26,9 @@ class UserError(Exception):
 def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g = p.add_argument_group("synchronisation (defaults come from --mode)")
     g.add_argument("--mode", default="decoupled", choices=modes, help="decoupled (default), streaming, diloco or dp")
+    g.add_argument("--preset", choices=PRESETS,
+                   help="default: the mode with this project's measured additions; paper: the published algorithm "
+                        "exactly (every addition off, outer η 0.7 / μ 0.9, fp32 back); flags below still override")
     g.add_argument("--fragments", "-P", type=int, help="P: fragments the model is split into (decoupled: 24)")
     g.add_argument("--sync-every", "-H", type=int, help="H: inner steps between pushes of one fragment (24)")
     g.add_argument("--overlap", type=int, help="τ: steps between a push and applying its merged result (2)")
@@ -41,7 +45,17 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--max-staleness", type=int, help="refuse contributions this many versions behind (16)")
     g.add_argument("--max-steps-ratio", type=float,
                    help="refuse contributions of more than this many times H local steps (0: merge them, counted as H)")
+    g.add_argument("--scale-partial-rounds", action=argparse.BooleanOptionalAction, default=None,
+                   help="scale a round's step by its share of the expected tokens (default preset: on; paper: off)")
+    g.add_argument("--clamp-long-contributions", action=argparse.BooleanOptionalAction, default=None,
+                   help="count contributions of more than H steps as H steps (default preset: on; paper: off)")
     g.add_argument("--staleness-decay", type=float, help="λ: weight / (1 + λ·staleness) (0)")
+    g.add_argument("--max-norm-ratio", type=float,
+                   help="refuse contributions whose norm per step is over this multiple of the fragment's recent "
+                        "accepted median (50; 0: off)")
+    g.add_argument("--norm-ceiling", type=float,
+                   help="refuse, from the first push, contributions whose norm per step is over this multiple of the "
+                        "fragment's own norm (1; 0: off)")
     g.add_argument("--blend", type=float, help="α: θ ← α·θ + (1−α)·Θ on apply (0: overwrite); needs --no-keep-overlap")
     g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")
     g.add_argument("--keep-overlap", action=argparse.BooleanOptionalAction, default=None,
@@ -118,7 +132,8 @@ def cmd_syncer(args) -> int:
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout, recover=args.state_recover,
-                         insecure=args.insecure, status_token=args.status_token)
+                         insecure=args.insecure, status_token=args.status_token,
+                         allow_takeover=args.allow_takeover)
     status = asyncio.run(serve(cfg, opts))
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
     return 0
@@ -250,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
+    p.add_argument("--allow-takeover", action="store_true",
+                   help="let a Join under a live learner's id supersede it without that learner's session secret "
+                        "(by default only the learner itself, or one whose stream ended, can take its id)")
     p.add_argument("--status-token", help="read-only secret for /status and /metrics beyond loopback "
                                           "(`Authorization: Bearer ...`); loopback clients need none")
     p.add_argument("--insecure", action="store_true",

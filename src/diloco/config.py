@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from diloco.codec import check_codec
 from diloco.policy import PolicyConfig
 
 MODES = ("decoupled", "streaming", "diloco", "dp")
+PRESETS = ("default", "paper")
+
+PAPER = dict(
+    keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
+    delayed_momentum=False, clamp_long_contributions=False, max_norm_ratio=0.0, norm_ceiling=0.0, outer_lr=0.7,
+    outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
+    grace=None, grace_gamma=0.5, grace_cap_steps=1.0,
+)
+"""The published algorithm (DESIGN §3) exactly: every mechanism of this project off, DiLoCo's outer η/μ, Θ sent
+back in fp32. The mode still sets P, K, τ, the codec and the merge rule."""
 
 
 @dataclass(frozen=True)
 class SyncConfig:
     mode: str = "decoupled"
     """Named mode that chose the defaults below: decoupled, streaming or diloco (dp has no syncer)."""
+    preset: str = "default"
+    """default: this project's measured choices on top of the mode; paper: the published algorithm exactly (every
+    mechanism below marked as ours off, DiLoCo's η = 0.7 and μ = 0.9, merged fragments sent back in fp32)."""
     fragments: int = 24
     """P: number of fragments the model is split into; one is exchanged every H/P steps."""
     sync_every: int = 24
@@ -32,11 +46,11 @@ class SyncConfig:
     grace_cap_steps: float = 1.0
     """Cap of the adaptive grace window, in learner step times."""
     grace_expect_steps: float = 6.0
-    """Also keep a round open for live learners whose push of the fragment is predicted (from their last push and
+    """Ours (0 is the paper's window alone). Also keep a round open for live learners whose push of the fragment is predicted (from their last push and
     step time) within this many step times of the round's opening; 0 leaves only the grace window. Learners never
     wait for it: a later merged fragment is applied when it arrives."""
     align_pushes: bool = False
-    """Keep each learner's push schedule in phase with the longest-running learner of similar speed: one the
+    """Ours. Keep each learner's push schedule in phase with the longest-running learner of similar speed: one the
     syncer reports k ≥ 1 steps behind pushes the next k steps' fragments early as well, one k ahead pushes
     nothing for k steps (at most one correction every 4 steps). Equal-speed learners otherwise drift apart and
     fill rounds apart."""
@@ -49,11 +63,15 @@ class SyncConfig:
     merge: str = "rda"
     """Merge rule for non-embedding tensors: rda (radial-directional averaging) or mean."""
     scale_partial_rounds: bool = True
-    """Scale a round's merged Δ by the share of the expected tokens it carries (its tokens over those plus the
+    """Ours (the paper takes a full outer step every round). Scale a round's merged Δ by the share of the expected tokens it carries (its tokens over those plus the
     typical contribution of each live learner missing from it). 1 when everyone contributes; with K = 1 and
     learners out of step it keeps M one-learner rounds from each taking a full outer step."""
+    clamp_long_contributions: bool = True
+    """Ours. Count a contribution of more than H local steps as H steps in weights and round shares (its tokens
+    scaled by H / steps): a learner back from a long disconnection does not take most of a round. Off, the weight
+    is tokens² / steps whatever the length (the paper)."""
     delayed_momentum: bool = True
-    """Advance the outer momentum once per full round's worth of contributions; partial rounds take plain
+    """Ours. Advance the outer momentum once per full round's worth of contributions; partial rounds take plain
     steps in between. Identical to Nesterov when every round is full; keeps K = 1 from diverging."""
     outer_lr: float = 0.7
     """η of the Nesterov outer optimizer (DiLoCo's 0.7; decoupled mode uses 1.0)."""
@@ -62,7 +80,7 @@ class SyncConfig:
     blend: float = 0.0
     """α: a learner sets θ ← α·θ + (1−α)·Θ on apply; 0 overwrites (the published default)."""
     keep_overlap: bool = False
-    """On apply, keep the local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding
+    """Ours (off is the paper's overwrite). On apply, keep the local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding
     those τ steps (overwrite). Their steps and tokens then count toward the next push."""
     sync_buffers: bool = True
     """Average floating-point buffers (e.g. BatchNorm running statistics) across learners: each learner sends them
@@ -74,16 +92,23 @@ class SyncConfig:
     max_staleness: int = 16
     """Contributions staler than this many versions are refused and the learner resynchronises."""
     max_steps_ratio: float = 0.0
-    """Refuse (and resynchronise) a contribution covering more than this many times H local steps (0: off, the
+    """Ours. Refuse (and resynchronise) a contribution covering more than this many times H local steps (0: off, the
     default). Only a long disconnection produces one; merged, it counts as H steps in weights and shares, which
     keeps its work without letting it overshoot, so refusing is rarely worth the lost work."""
     max_norm_ratio: float = 50.0
-    """Refuse a contribution whose norm per step exceeds this multiple of the fragment's recent median (0: off).
-    Generous because a learning-rate warmup alone changes norms per step by up to its ramp (20× here)."""
+    """Ours. Refuse a contribution whose norm per step exceeds this multiple of the median of the fragment's recent
+    accepted contributions (0: off). Generous because a learning-rate warmup alone changes norms per step by up to
+    its ramp (20× here). When most learners exceed it together, their norms become the reference."""
+    norm_ceiling: float = 1.0
+    """Ours. Refuse, from a run's first push, a contribution whose norm per step exceeds this multiple of the fragment's
+    own norm (0: off). Honest AdamW steps measure 0.003–0.11 of it (GPT-2 at lr 6e-4 to 1e-2)."""
     heartbeat_seconds: float = 0.5
     """How often a learner reports liveness and progress."""
     absent_after_seconds: float = 10.0
     """A learner silent this long is absent: rounds stop waiting for it."""
+    forget_after_seconds: float = 86400.0
+    """A learner that left, or has been absent, this long is forgotten: its record (where it would resume, its
+    counters) is dropped, and the same id joining later starts afresh."""
 
     def policy(self) -> PolicyConfig:
         """The settings the round-closing policy reads."""
@@ -99,19 +124,27 @@ class SyncConfig:
         return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
-def for_mode(mode: str, learners: int, **overrides) -> SyncConfig:
-    """The settings of a named mode for `learners` learners, with explicit overrides (None means unset)."""
+def for_mode(mode: str, learners: int, preset: str | None = None, **overrides) -> SyncConfig:
+    """The settings of a named mode for `learners` learners under a preset (default, or paper: DESIGN §3 exactly),
+    with explicit overrides (None means unset)."""
     if mode not in MODES or mode == "dp":
         raise ValueError(f"unknown syncer mode {mode!r}; choose decoupled, streaming or diloco (dp runs without a syncer)")
+    preset = preset or "default"
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose {' or '.join(PRESETS)}")
     base = {
         # outer η = 1, μ = 0 and keeping the overlap measured best for K = 1 (docs/results.md); the synchronous
         # modes keep DiLoCo's published 0.7 / 0.9 and overwrite, as the methods they reproduce
         "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4", outer_lr=1.0, outer_momentum=0.0,
                           keep_overlap=True, align_pushes=True),
-        "streaming": dict(quorum=learners, wait_for_merge=True, codec="bf16", down_codec="fp32"),
-        "diloco": dict(fragments=1, overlap=0, quorum=learners, wait_for_merge=True, codec="fp32", down_codec="fp32"),
+        # the baselines average outer gradients, as the methods they reproduce (RDA is Decoupled DiLoCo's rule)
+        "streaming": dict(quorum=learners, wait_for_merge=True, codec="bf16", down_codec="fp32", merge="mean"),
+        "diloco": dict(fragments=1, overlap=0, quorum=learners, wait_for_merge=True, codec="fp32", down_codec="fp32",
+                       merge="mean"),
     }[mode]
-    cfg = replace(SyncConfig(mode=mode), **base)
+    if preset == "paper":
+        base = {**base, **PAPER}
+    cfg = replace(SyncConfig(mode=mode, preset=preset), **base)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     validate(cfg, learners)
     return cfg
@@ -120,6 +153,8 @@ def for_mode(mode: str, learners: int, **overrides) -> SyncConfig:
 def validate(cfg: SyncConfig, learners: int | None = None) -> None:
     check_codec(cfg.codec)
     check_codec(cfg.down_codec)
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"unknown preset {cfg.preset!r}; choose {' or '.join(PRESETS)}")
     if cfg.fragments < 1:
         raise ValueError(f"--fragments must be at least 1, got {cfg.fragments}")
     if cfg.sync_every < 1:
@@ -140,7 +175,12 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
         raise ValueError(f"max steps ratio must be non-negative, got {cfg.max_steps_ratio}")
     if cfg.max_norm_ratio < 0:
         raise ValueError(f"max norm ratio must be non-negative, got {cfg.max_norm_ratio}")
+    if not 0 <= cfg.norm_ceiling < math.inf:
+        raise ValueError(f"norm ceiling must be a non-negative number, got {cfg.norm_ceiling}")
     if cfg.grace_expect_steps < 0:
         raise ValueError(f"--grace-expect-steps must be non-negative, got {cfg.grace_expect_steps}")
+    if not cfg.forget_after_seconds > cfg.absent_after_seconds:
+        raise ValueError(f"forget_after_seconds ({cfg.forget_after_seconds}) must exceed absent_after_seconds "
+                         f"({cfg.absent_after_seconds})")
     if cfg.max_staleness < 0:
         raise ValueError(f"max staleness must be non-negative, got {cfg.max_staleness}")

@@ -47,11 +47,14 @@ def table(cls, extra_columns: dict[str, dict] | None = None) -> str:
 
 def render() -> str:
     modes = {m: vars(for_mode(m, 4)) for m in ("decoupled", "streaming", "diloco")}
+    modes["decoupled, --preset paper"] = vars(for_mode("decoupled", 4, preset="paper"))
     return "\n\n".join([
         "# Configuration reference",
         "Generated from the dataclasses by `python -m diloco.config_doc`; do not edit by hand.",
         "## `SyncConfig`: synchronisation (syncer and learners)\n\nColumns per mode show the value each `--mode` "
-        "selects for 4 learners; command-line flags override them.",
+        "selects for 4 learners (the last: decoupled under `--preset paper`, DESIGN §3 exactly); command-line "
+        "flags override them. Fields whose description starts with *Ours* are this project's additions to the "
+        "published algorithm: each is a switch, and `--preset paper` turns every one off.",
         table(SyncConfig, modes),
         "## `TrainConfig`: the built-in trainer",
         table(TrainConfig),

@@ -123,17 +123,21 @@ class GrpcTransport(HeartbeatNews):
     """Connects a Learner to `diloco syncer` at `address` ("host:port")."""
 
     def __init__(self, address: str, token: str = "", connect_timeout: float = 30.0, rpc_timeout: float = 5.0,
-                 tls: bool = False, tls_ca=None, tls_cert=None, tls_key=None, stall_timeout: float = 60.0):
+                 tls: bool = False, tls_ca=None, tls_cert=None, tls_key=None, stall_timeout: float = 60.0,
+                 session: str = ""):
         """`connect_timeout`: how long to keep trying to reach the syncer on join (waiting while another learner
         uploads the initial model does not count, as long as the syncer answers). `stall_timeout`: a join, upload or
         push is given up only after nothing moved for this long — there is no limit on a transfer's total time.
         `rpc_timeout`: deadline of the small calls at shutdown (the last heartbeat, Leave).
         `tls` (or any tls_* file) connects with TLS, trusting `tls_ca` or the system's roots; `tls_cert` and
-        `tls_key` present a client certificate to a syncer that requires one."""
+        `tls_key` present a client certificate to a syncer that requires one. `session`: the session secret of
+        the Learner that held this id before (its `transport.session`), to take the id over while the syncer
+        still sees that one live; without it a live id is refused."""
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
         self.address = address
         self.token = token
+        self.session = session
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
         self.stall_timeout = stall_timeout
@@ -173,7 +177,8 @@ class GrpcTransport(HeartbeatNews):
         except Refused:
             raise SyncerError(f"invalid learner id {shown(learner_id)}: use 1-64 letters, digits, '.', '_' or '-', "
                               f"starting with a letter or digit") from None
-        request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(specs), token=self.token)
+        request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(specs), token=self.token,
+                                 session=self.session)
         started = time.monotonic()
         deadline, delay, attempts = started + self.connect_timeout, 0.2, 0
         self._answered = False

@@ -14,9 +14,9 @@ the worker touches. Only the worker adds learners, so it may read the ledger wit
 
 from __future__ import annotations
 
+import hmac
 import re
 import secrets
-import statistics
 import threading
 import time
 from collections import deque
@@ -34,12 +34,11 @@ from diloco.policy import Averages, MovingAverage, RoundState, decide
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import downlink, persistence, phase
 from diloco.syncer.downlink import Publication
+from diloco.syncer.norm_guard import NormGuard
 from diloco.syncer.store import StateStore
 
 
 LEARNER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-NORM_HISTORY = 32
-NORM_MIN_SAMPLES = 8
 
 def check_learner_id(learner_id: str) -> str:
     if not LEARNER_ID.fullmatch(learner_id):
@@ -47,6 +46,8 @@ def check_learner_id(learner_id: str) -> str:
     return learner_id
 
 
+DEPARTED_KEPT = 4096
+"""Records of learners that left or are absent kept at most (oldest forgotten first): ids cost memory."""
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 
 
@@ -74,8 +75,10 @@ class FragmentState:
     pending_delta: torch.Tensor | None = None
     """Σ of partial rounds' Δ since the momentum last advanced (delayed momentum)."""
     pending_share: float = 0.0
-    norms: deque = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
-    """Recent accepted contributions' norm per step: the running distribution outliers are judged against."""
+    guard: NormGuard | None = None
+    """The outlier bounds contributions are judged against (None: the fragment is not a parameter fragment)."""
+    norm_at: tuple[int, float] | None = None
+    """(version, ‖P_version‖), computed once per version for the outlier ceiling."""
     pending: dict[str, Contribution] = field(default_factory=dict)
     merging: StreamingMerge | None = None
     """The open round's running sums: pending contributions' Δ are folded in as they arrive, never stored."""
@@ -160,13 +163,19 @@ class SyncerCore:
         for fr, f in zip(layout, flats):
             if not torch.isfinite(f).all():
                 raise Refused(f"initial values of fragment {fr.index} contain NaN or Inf")
-        fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f) if fr.role == "params" else torch.zeros(0))
-                     for fr, f in zip(layout, flats)]
+        fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f) if fr.role == "params" else torch.zeros(0),
+                                   guard=self.norm_guard(fr)) for fr, f in zip(layout, flats)]
         with self.lock:
             self.specs = list(specs)
             self.fragments = fragments
         self.persist(range(len(self.fragments)))
         return True
+
+    def norm_guard(self, fragment: Fragment) -> NormGuard | None:
+        """The outlier bounds for a parameter fragment (buffers are averaged, not stepped: no bound)."""
+        if fragment.role != "params" or not (self.cfg.norm_ceiling or self.cfg.max_norm_ratio):
+            return None
+        return NormGuard(fragment.numel, self.cfg.norm_ceiling, self.cfg.max_norm_ratio, self.cfg.sync_every)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The global model as its whole state_dict: every tensor in its own dtype, in model order, an alias (a tied
@@ -197,7 +206,7 @@ class SyncerCore:
                 f"model mismatch ({diff}); every learner must build the same model as the run "
                 f"(signature {signature(self.specs)}, yours {signature(specs)})"
             )
-        session = secrets.token_hex(8)
+        session = secrets.token_urlsafe(16)  # 128 bits: the learner's credential for every later RPC
         with self.lock:
             now = self.clock()
             record = self.learners.get(learner_id)
@@ -219,10 +228,9 @@ class SyncerCore:
 
     def _record(self, learner_id: str, session: str) -> LearnerRecord:
         record = self.learners.get(learner_id)
-        if record is None:
-            raise Refused(f"unknown learner {learner_id!r}: join first")
-        if record.session != session:
-            raise Refused(f"stale session for learner {learner_id!r}: it re-joined elsewhere; join again")
+        if record is None or not hmac.compare_digest(record.session.encode(), session.encode()):
+            raise Refused(f"unknown learner or wrong session for learner {learner_id!r}: it left, re-joined "
+                          f"elsewhere or never joined; join again")
         return record
 
     def heartbeat(self, learner_id: str, session: str, **progress) -> bool:
@@ -262,6 +270,23 @@ class SyncerCore:
         if self.duration and self.first_join_at is not None:
             shares.append((self.clock() - self.first_join_at) / self.duration)
         return min(max(shares), 1.0) if shares else None
+
+    def expire(self) -> list[str]:
+        """Forget learners that left or have been absent for forget_after_seconds, and the oldest departed ones
+        beyond DEPARTED_KEPT; returns their ids. Learners with a contribution in an open round are kept."""
+        with self.lock:
+            now = self.clock()
+            busy = {learner for fs in self.fragments for learner in fs.pending}
+            departed = sorted((r for r in self.learners.values() if r.id not in busy and (
+                r.left or now - r.last_seen > self.cfg.absent_after_seconds)), key=lambda r: r.last_seen)
+            excess = max(0, len(departed) - DEPARTED_KEPT)
+            gone = [r.id for i, r in enumerate(departed)
+                    if i < excess or now - r.last_seen > self.cfg.forget_after_seconds]
+            for learner_id in gone:
+                del self.learners[learner_id]
+        if gone:
+            self.persist([])
+        return gone
 
     def leave(self, learner_id: str, session: str) -> None:
         with self.lock:
@@ -318,12 +343,22 @@ class SyncerCore:
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
         staleness = fs.version - base_version
+        per_step = fs.guard.per_step(delta.norm(dtype=torch.float64).item(), steps) if fs.guard else 0.0
+        fragment_norm = self._fragment_norm(fs) if fs.guard else 0.0
         with self.lock:
             if staleness < 0 or staleness > self.cfg.max_staleness:
                 record.refused += 1
                 self.refusals["stale"] = self.refusals.get("stale", 0) + 1
                 return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
                                   f"which is at {fs.version}: fetch the current fragment", resync=True)
+            outlier = fs.guard.judge(learner_id, per_step, fragment_norm) if fs.guard else None
+            if outlier is not None:
+                record.refused += 1
+                reason = outlier.split(":")[0]
+                self.refusals[reason] = self.refusals.get(reason, 0) + 1
+                return PushResult(False, f"{outlier} of fragment {fragment}", resync=True)
+            if fs.guard:
+                fs.guard.accept(learner_id, per_step)
             record.pushes += 1
             if transfer_seconds:
                 self.sync_avg.update(transfer_seconds)
@@ -366,15 +401,13 @@ class SyncerCore:
             raise Refused(f"corrupt payload: {e}") from None
         if not torch.isfinite(delta).all():
             raise Refused("non-finite values: the outer gradient contains NaN or Inf")
-        norms = self.fragments[fragment].norms
-        per_step = delta.norm().item() / steps
-        if self.cfg.max_norm_ratio and role == "params" and len(norms) >= NORM_MIN_SAMPLES:
-            typical = statistics.median(norms)
-            if per_step > self.cfg.max_norm_ratio * typical:
-                raise Refused(f"norm outlier: {per_step:.3g} per step is over {self.cfg.max_norm_ratio:g}× the "
-                              f"recent median {typical:.3g} of fragment {fragment}")
-        norms.append(per_step)
         return delta
+
+    def _fragment_norm(self, fs: FragmentState) -> float:
+        """‖P_v‖ of the fragment's current version (core worker: rounds change it only there)."""
+        if fs.norm_at is None or fs.norm_at[0] != fs.version:
+            fs.norm_at = (fs.version, fs.values.norm(dtype=torch.float64).item())
+        return fs.norm_at[1]
 
     def payload_limit(self, fragment: int, codec_name: str) -> int:
         """Bytes a push of `fragment` may carry: the service refuses larger streams before buffering them."""
@@ -523,7 +556,7 @@ class SyncerCore:
         """(tokens, steps) a contribution counts for in weights and shares: at most H steps' worth. A learner cut
         off for long returns with many steps of progress from an old base; counted in full, each such
         contribution would take most of a round's share, and together they would overshoot the average."""
-        if c.steps <= self.cfg.sync_every:
+        if c.steps <= self.cfg.sync_every or not self.cfg.clamp_long_contributions:
             return float(c.tokens), float(c.steps)
         return c.tokens * self.cfg.sync_every / c.steps, float(self.cfg.sync_every)
 

@@ -135,7 +135,7 @@ def restore(core) -> bool:
     core.fragments = []
     for i, fragment in enumerate(layout):
         t = loaded.fragments[i]
-        fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i])
+        fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i], guard=core.norm_guard(fragment))
         fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]
         core.fragments.append(fs)
     core.rounds, core.refusals = led["rounds"], led["refusals"]

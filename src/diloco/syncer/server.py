@@ -63,6 +63,8 @@ class ServerOptions:
     """Read-only secret for /status and /metrics beyond loopback (besides the run token)."""
     recover: bool = False
     """When the newest state in out/state is damaged, resume from the previous consistent one (--state-recover)."""
+    allow_takeover: bool = False
+    """A Join under an id the syncer sees live supersedes that learner even without its session secret."""
 
 
 HTTP_TIMEOUT = 10.0
@@ -203,7 +205,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     if core.restore():
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
     metrics = SyncerMetrics()
-    service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout)
+    service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout,
+                            allow_takeover=opts.allow_takeover)
     if on_service:
         on_service(service)
     server = grpc.aio.server(options=SERVER_OPTIONS)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,16 +41,21 @@ IDLE = object()
 """Yielded by SyncerService._chunks when a client stream sent nothing for stall_timeout."""
 INIT_IDLE_STALLS = 10
 """An Init stream idle this many stall timeouts is ended (its lease passes on after one, as before)."""
+EXPIRY_SECONDS = 10.0
+"""How often departed learners' records are looked at for expiry (SyncerCore.expire)."""
 
 
 class SyncerService(pb_grpc.SyncerServicer):
-    def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0):
+    def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
+                 allow_takeover: bool = False):
         """`stall_timeout`: seconds the learner uploading the initial model may send nothing before another joiner
-        takes the upload over; also how long any client stream (Init, Push) may send nothing before it is ended."""
+        takes the upload over; also how long any client stream (Init, Push) may send nothing before it is ended.
+        `allow_takeover`: a Join under a live id supersedes it without that learner's session secret."""
         self.core = core
         self.metrics = metrics
         self.token = token
         self.stall_timeout = stall_timeout
+        self.allow_takeover = allow_takeover
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncer-core")
         self._ledger_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncer-ledger")
         self._submitted = 0
@@ -229,11 +235,15 @@ class SyncerService(pb_grpc.SyncerServicer):
             yield self._count_out(pb.JoinReply(header=self._init_header(request.learner_id)))
             return
         live_for = self._live_for(request.learner_id)
-        if live_for is not None:
+        if live_for is not None and not self._may_take_over(request):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, (
                 f"learner id {request.learner_id!r} is already live in this run (joined {live_for:.0f} s ago); every "
                 f"learner needs its own id — or, in a torchrun job, create the Learner with process_group=... so "
-                f"only one rank joins"))
+                f"only one rank joins. If that learner is gone, wait {self.core.cfg.absent_after_seconds:.0f} s "
+                f"for the syncer to notice, or start the syncer with --allow-takeover"))
+        if live_for is not None:
+            log.warning("learner %s takes over its live id (%s)", request.learner_id,
+                        "its session secret" if request.session else "--allow-takeover")
         try:
             session = await self._core(self.core.join, request.learner_id, specs)
             snapshot = await self._core(self.core.snapshot_for_join, request.learner_id)
@@ -356,15 +366,23 @@ class SyncerService(pb_grpc.SyncerServicer):
                 f"invalid learner id {shown(learner_id)}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
                 f"letter or digit"))
 
+    def _may_take_over(self, request) -> bool:
+        """Whether a Join may supersede the live learner under its id: only with that learner's session secret,
+        unless the operator allowed takeovers."""
+        record = self.core.learners.get(request.learner_id)
+        owner = record is not None and bool(request.session) and hmac.compare_digest(
+            record.session.encode(), request.session.encode())
+        return owner or self.allow_takeover
+
     async def _authenticate(self, context, learner_id: str, session: str) -> None:
-        """The learner's session is its credential for Push, Subscribe, Heartbeat and Leave (a read-only lookup)."""
+        """The learner's session secret is its credential for Push, Subscribe, Heartbeat and Leave (a read-only
+        lookup). Unknown ids and wrong secrets get the same answer: it tells no one which ids exist."""
         record = self.core.learners.get(learner_id)
-        if record is None:
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner",
-                               f"unknown learner {shown(learner_id)}: join first")
-        if not hmac.compare_digest(record.session.encode(), session.encode()):
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "stale session",
-                               f"stale or wrong session for learner {shown(learner_id)}: it re-joined elsewhere; join again")
+        expected = record.session if record is not None else secrets.token_urlsafe(16)  # same work either way
+        if not hmac.compare_digest(expected.encode(), session.encode()) or record is None:
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
+                               f"unknown learner or wrong session for learner {shown(learner_id)}: it left, re-joined "
+                               f"elsewhere or never joined; join again")
 
     async def _admit_push(self, header, context) -> None:
         """A push's header, before any of its data is buffered: the learner's session, counters in bounds, the
@@ -445,8 +463,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._count_in(request)
         record = self.core.learners.get(request.learner_id)
         if record is None or not hmac.compare_digest(record.session.encode(), request.session.encode()):
-            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "stale session",
-                               "unknown learner or stale session: join again")
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
+                               f"unknown learner or wrong session for learner {shown(request.learner_id)}: it left, "
+                               f"re-joined elsewhere or never joined; join again")
         queue = self._queue(request.learner_id)
         key = (request.learner_id, request.session)
         self._streams[key] = self._streams.get(key, 0) + 1
@@ -518,10 +537,14 @@ class SyncerService(pb_grpc.SyncerServicer):
         """Close rounds when the policy says so: after each request, and at the times it asks to be woken. Also
         watches the event loop's lag meanwhile."""
         lag = asyncio.create_task(self.watch_loop_lag())
+        expired_at = time.monotonic()
         try:
             while not stop.is_set():
                 publications = await self._core(self.core.poll)
                 self.deliver(publications)
+                if time.monotonic() - expired_at > EXPIRY_SECONDS:
+                    expired_at = time.monotonic()
+                    self._forget(await self._core(self.core.expire))
                 wake_at = await self._core(self.core.next_wakeup)
                 timeout = None if wake_at is None else max(0.0, wake_at - self.core.clock())
                 self.wake.clear()
@@ -531,6 +554,18 @@ class SyncerService(pb_grpc.SyncerServicer):
                     pass
         finally:
             lag.cancel()
+
+    def _forget(self, learner_ids: list[str]) -> None:
+        """Drops what the service kept for learners the core forgot."""
+        for learner_id in learner_ids:
+            queue = self._queues.pop(learner_id, None)
+            if queue is not None:
+                queue.put_nowait(None)  # ends a stream that may linger
+            self._samples.pop(learner_id, None)
+            log.info("forgot learner %s (departed long ago)", learner_id)
+        if learner_ids:
+            gone = set(learner_ids)
+            self._warned = {key for key in self._warned if key[0] not in gone}
 
     async def drain(self) -> None:
         """At shutdown: merge whatever is pending and send it out."""

@@ -51,14 +51,16 @@ class Blob(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., full: _Optional[bool] = ..., result_checksum: _Optional[int] = ..., refused: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "specs", "token")
+    __slots__ = ("learner_id", "specs", "token", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SPECS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     token: str
-    def __init__(self, learner_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., token: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, learner_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., token: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
     __slots__ = ("session", "config_json", "fragments", "data_position", "need_init", "total_bytes", "init_wait", "init_owner")
