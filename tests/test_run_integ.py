@@ -63,3 +63,16 @@ def test_learners_of_two_ranks_each_train_as_torchrun_jobs(tmp_path):
     syncer = json.loads((out / "syncer" / "syncer.json").read_text())
     assert min(syncer["versions"][:4]) >= 1
     assert report["final_eval_loss"] < report["initial_eval_loss"]
+
+
+def test_paced_learners_have_fixed_capacities_and_goodput_at_most_one(tmp_path):
+    report, out = diloco_run(tmp_path, "--learners", "2", "--speeds", "1,0.5", "--steps", "12", "--pace", "0.1",
+                             "--fragments", "2", "--sync-every", "4")
+    assert report["pace"] == 0.1 and "allocated = tokens per step × speed / pace" in report["goodput_basis"]
+    tokens_per_step = 16 * 64
+    allocated = {x["id"]: x["allocated_tokens_per_second"] for x in report["per_learner"]}
+    assert allocated == {"learner-0": tokens_per_step / 0.1, "learner-1": tokens_per_step * 0.5 / 0.1}
+    for i, target in ((0, 0.1), (1, 0.2)):  # every step padded to pace / speed
+        busy = [json.loads(line)["busy"] for line in (out / "metrics" / f"learner-{i}.jsonl").read_text().splitlines()]
+        assert len(busy) == 12 and min(busy) >= target * 0.98, busy
+    assert 0 < report["goodput"] <= 1

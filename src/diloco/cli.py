@@ -207,7 +207,7 @@ def cmd_learner(args) -> int:
     device = learner_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     group = island_group(device)
     leader = group is None or int(os.environ.get("RANK", "0")) == 0
-    opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.max_steps, args.metrics,
+    opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.pace, args.max_steps, args.metrics,
                          stop=leave_on_signal())
     transport = GrpcTransport(args.syncer, token=args.token or "", connect_timeout=args.connect_timeout,
                               stall_timeout=args.stall_timeout, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
@@ -285,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=int, default=0, help="which data shard to read (0)")
     p.add_argument("--num-shards", type=int, default=1, help="how many shards the data is cut into (1)")
     p.add_argument("--speed", type=float, default=1.0, help="emulated speed factor; 0.25 = four times slower")
+    p.add_argument("--pace", type=positive_seconds, metavar="SECONDS",
+                   help="pad every step to SECONDS / --speed, so this learner's capacity is fixed (goodput)")
     p.add_argument("--max-steps", type=int, help="stop after this many steps")
     p.add_argument("--metrics", type=Path, help="append per-step JSON lines to this file")
     p.add_argument("--summary", type=Path, help="write this learner's summary JSON here at the end")

@@ -117,6 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-config", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--pace", type=float, help="seconds per step at speed 1 that every step is padded to")
     p.add_argument("--max-steps", type=int, help="total steps of the job, restarts included")
     p.add_argument("--duration", type=float, help="seconds of training for the whole job, restarts included")
     p.add_argument("--snapshot-every", type=int, default=0, help="steps between snapshots (rank 0)")
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
                            position=step * cfg.batch_size)
     metrics = args.out.parent / "metrics" / f"learner-{args.rank}.jsonl"
     end_cut_line(metrics)
-    clock, log = StepClock(args.speed), MetricsLog(metrics)
+    clock, log = StepClock(args.speed, args.pace), MetricsLog(metrics)
     flat = torch.zeros(numel + 2)  # gradients, rank 0's stop vote and share of the time budget: one all-reduce
     tokens_per_step = cfg.tokens_per_step()
     started, deadline = job_clock(args.out / "clock.json", args.duration) if args.rank == 0 else (0.0, None)
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     log.close()
     busy = sorted(clock.busy)
     summary = {"id": f"learner-{args.rank}", "steps": step, "tokens": step * tokens_per_step, "speed": args.speed,
-               "pushes": step, "applied": step, "busy_seconds_median": busy[len(busy) // 2] if busy else None,
+               "pace": args.pace, "pace_overruns": clock.overruns, "pushes": step, "applied": step, "busy_seconds_median": busy[len(busy) // 2] if busy else None,
                "wall_seconds": time.monotonic() - process_started, "restarts": args.restart_count}
     (args.out.parent / "learners").mkdir(exist_ok=True)
     (args.out.parent / "learners" / f"learner-{args.rank}.json").write_text(json.dumps(summary, indent=2))

@@ -73,6 +73,8 @@ def start_workers(plan, job: dict, restarts: int) -> Procs:
                "--checkpoint-every", str(job["checkpoint_every"]), "--snapshot-every", str(job["snapshot_every"])]
         if job["steps"]:
             cmd += ["--max-steps", str(job["steps"])]
+        if plan.pace:
+            cmd += ["--pace", str(plan.pace)]
         if job["duration"]:  # the job's deadline is fixed by its first training step (dp.job_clock)
             cmd += ["--duration", str(job["duration"])]
         procs[f"learner-{i}"] = spawn(cmd, log_path(plan, f"learner-{i}", restarts))

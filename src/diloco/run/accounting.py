@@ -37,11 +37,17 @@ def healthy_rate(lines: list[dict], windows: list[Window], tokens_per_step: int)
     return tokens_per_step / statistics.median_high(busy)
 
 
+def paced_rate(tokens_per_step: int, speed: float, pace: float) -> float:
+    """Tokens/s a paced learner was allocated: one step of `tokens_per_step` every pace/speed seconds."""
+    return tokens_per_step * speed / pace
+
+
 def goodput(tokens_merged: float, rates: dict[str, float], wall: float) -> float:
     """Merged tokens over what every learner could have processed at its healthy rate over the whole run.
 
-    Each rate is measured in fault-free time, so where learners share machines (one host running them all) the
-    capacity is the hosts': a killed learner frees cores for the others and costs only what the system loses.
+    With pacing each rate is the allocated one (paced_rate) and goodput ≤ 1 by construction. Unpaced, each rate
+    is measured in fault-free time; where learners share machines a killed learner frees cores, the others speed
+    up, and goodput can exceed 1.
     """
     capacity = sum(rates.values()) * wall
     return tokens_merged / capacity if capacity > 0 else 0.0

@@ -34,6 +34,9 @@ def register(sub, add_sync_options, add_train_options) -> None:
     b.add_argument("--tokens", type=int, help="tokens trained in total over all learners")
     b.add_argument("--duration", type=float, help="seconds of training")
     p.add_argument("--speeds", help="per-learner speed factors, e.g. 1,1,0.5,0.25 (slower = longer steps)")
+    p.add_argument("--pace", metavar="SECONDS|auto|off",
+                   help="pad every step to SECONDS / speed so each learner's capacity is fixed and goodput ≤ 1 "
+                        "(auto: measured on this machine; default: auto with --chaos, off otherwise)")
     p.add_argument("--out", type=Path, help="run directory (default runs/<time>-<mode>)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no live display")

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from diloco.config import MODES
+from diloco.run.pacing import auto_pace, parse_pace
 
 
 def register(sub) -> None:
@@ -25,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--chaos", metavar="SCENARIO", help="the same fault scenario for every mode (see `diloco run`)")
     p.add_argument("--model", choices=("small", "tiny"), default="small")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pace", metavar="SECONDS|auto|off",
+                   help="pace every mode's steps alike (see `diloco run --pace`; default: auto with --chaos, measured "
+                        "once for all modes)")
     p.add_argument("--out", type=Path, help="folder for one run directory per mode (default runs/compare-<time>)")
     p.set_defaults(func=cmd_compare)
 
@@ -38,6 +44,17 @@ def cmd_compare(args) -> int:
         args.duration = 120.0
     out = args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     budget = ["--duration", str(args.duration)] if args.duration else ["--tokens", str(args.tokens)]
+    pace = parse_pace(args.pace)
+    if pace == "auto" or (pace is None and args.chaos):  # one pace for every mode: the same capacities
+        from diloco.cli import train_config
+        from diloco.run.local import TINY
+
+        train = train_config(argparse.Namespace(seed=args.seed))
+        if args.model == "tiny":
+            train = replace(train, model=TINY)
+        pace = auto_pace(train, args.learners + 1)
+    if pace is not None:
+        budget += ["--pace", str(pace)]
     reports, console = {}, Console(stderr=True)
     for mode in modes:
         cmd = [sys.executable, "-m", "diloco", "run", "--mode", mode, "--learners", str(args.learners), *budget,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import time
@@ -16,11 +17,13 @@ from diloco.chaos.injector import Injector
 from diloco.config import for_mode
 from diloco.run.cluster import ClusterError, LocalCluster, with_signal
 from diloco.run.cli import parse_speeds
+from diloco.run.pacing import auto_pace, parse_pace
 from diloco.run.display import progress_table
 from diloco.run.report import build_report, print_summary
 from diloco.train.config import ModelConfig, TrainConfig
 from diloco.train.loop import train_config_to_json
 
+log = logging.getLogger("diloco.run")
 DEFAULT_DURATION = 120.0
 
 
@@ -46,6 +49,8 @@ class Plan:
     fault_timeline: list | None = None
     fault_origin_unix: float | None = None
     """Unix time that the fault schedule's second 0 corresponds to (the first trained tokens)."""
+    pace: float | None = None
+    """Seconds per step at speed 1 that every learner is padded to (None: unpaced); fixes each learner's capacity."""
 
 
 def make_plan(args) -> Plan:
@@ -93,16 +98,22 @@ def make_plan(args) -> Plan:
         faults = load(args.chaos, duration, [f"learner-{i}" for i in range(args.learners)], train.seed, args.mtbf)
         if args.mode == "dp" and any(f.kind in ("partition", "syncer-crash") for f in faults):
             raise ValueError("data-parallel runs have no syncer link: their scenarios may kill, hang or slow workers")
+    pace = parse_pace(getattr(args, "pace", None))
+    if pace == "auto" or (pace is None and args.chaos):  # faults: goodput needs capacities that do not move
+        pace = auto_pace(train, args.learners * ranks + 1)  # the learners and the syncer (or dp's rank 0 work)
+        log.info("pacing every step at %.3f s (speed 1), measured on this machine", pace)
+    pace = None if pace == "off" else pace
     return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
-                faults)
+                faults, pace=pace)
 
 
 def budget_text(plan: Plan) -> str:
+    paced = f", paced {plan.pace:.3f} s/step" if plan.pace else ""
     if plan.tokens:
-        return f"budget {plan.tokens:,} tokens"
+        return f"budget {plan.tokens:,} tokens{paced}"
     if plan.steps:
-        return f"budget {plan.steps} steps/learner"
-    return f"budget {plan.duration:.0f}s"
+        return f"budget {plan.steps} steps/learner{paced}"
+    return f"budget {plan.duration:.0f}s{paced}"
 
 
 class Progress:
@@ -227,6 +238,8 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
                              "--summary", str(plan.out / "learners" / f"{lid}.json"), "--connect-timeout", "120"]
         if plan.steps:
             learner_args[lid] += ["--max-steps", str(plan.steps)]
+        if plan.pace:
+            learner_args[lid] += ["--pace", str(plan.pace)]
     faults = chaos or []
     cluster = LocalCluster(plan.out, syncer_args, learner_args, proxies=any(f.kind == "partition" for f in faults),
                            ranks_per_learner=plan.ranks_per_learner)

@@ -62,6 +62,11 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         summary.setdefault("steps", len(ls))
         summary["healthy_tokens_per_second"] = accounting.healthy_rate(ls, windows, tokens_per_step)
     rates = {s["id"]: s["healthy_tokens_per_second"] for s in learners}
+    if plan.pace:  # the capacity each learner was allocated: fixed before the run, whatever its neighbours do
+        speeds = dict(zip([f"learner-{i}" for i in range(plan.learners)], plan.speeds))
+        rates = {lid: accounting.paced_rate(tokens_per_step, speeds.get(lid, 1.0), plan.pace) for lid in rates}
+        for summary in learners:
+            summary["allocated_tokens_per_second"] = rates[summary["id"]]
     for summary in learners:  # a restarted learner's summary covers only its last life; its metrics cover all
         lives = accounting.tokens_per_life(metrics.get(summary["id"], []))
         if len(lives) > 1 and plan.mode != "dp":
@@ -110,6 +115,12 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "wire_bytes": int(wire),
         "rounds": rounds,
         "goodput": accounting.goodput(tokens_merged, rates, wall),
+        "goodput_basis": (f"merged tokens / (Σ allocated tokens/s × wall-clock); allocated = tokens per step × "
+                          f"speed / pace, paced at {plan.pace:.3f} s per step at speed 1" if plan.pace else
+                          "merged tokens / (Σ healthy tokens/s × wall-clock); healthy = measured in fault-free time "
+                          "(unpaced: may exceed 1 when a neighbour's death frees cores)"),
+        "pace": plan.pace,
+        "pace_overruns": sum(s.get("pace_overruns") or 0 for s in learners),
         "uptime": accounting.uptime(advances, t0, t1, interval),
         "model_parameters": count_parameters(model),
         "step_seconds_median": step_median,
@@ -185,9 +196,12 @@ def print_summary(report: dict, console: Console) -> None:
                                       f"(−{100 * report['eval_loss_reduction']:.1f}%)"),
         ("rounds", f"{report['rounds']:,}"),
         ("wire bytes", human_bytes(report["wire_bytes"])),
-        ("goodput", f"{report['goodput']:.3f}"),
+        ("goodput", f"{report['goodput']:.3f}" + (" (paced)" if report.get("pace") else " (unpaced)")),
         ("uptime", f"{report['uptime']:.3f}"),
     ]
+    if report.get("pace"):
+        steps = sum(s.get("steps", 0) for s in report["per_learner"]) or 1
+        rows.append(("steps over their pace", f"{report['pace_overruns']:,} ({100 * report['pace_overruns'] / steps:.1f}%)"))
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)

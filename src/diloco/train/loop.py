@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,8 @@ from diloco.train.config import ModelConfig, TrainConfig, lr_at, make_inner_opti
 from diloco.train.data import Corpus, ShardSampler
 from diloco.train.model import build_model
 
+log = logging.getLogger("diloco.learner")
+
 
 @dataclass
 class WorkerOptions:
@@ -27,6 +30,9 @@ class WorkerOptions:
     """Into how many disjoint parts the training data is cut."""
     speed: float = 1.0
     """Emulated hardware speed: each step is stretched to 1/speed of its compute time (0.25 = four times slower)."""
+    pace: float | None = None
+    """Seconds one step takes at speed 1: every step is padded to pace/speed, so the learner's capacity is known in
+    advance and does not change when a neighbour on the same machine dies (None: steps take what they take)."""
     max_steps: int | None = None
     """Stop after this many inner steps even if the syncer has not said stop."""
     metrics_path: Path | None = None
@@ -49,17 +55,31 @@ def train_config_from_json(text: str) -> TrainConfig:
 
 @dataclass
 class StepClock:
-    """Measures a step's busy time (compute plus emulated slowness) and stretches it to the emulated speed."""
+    """Measures a step's busy time and stretches it to the emulated speed: to 1/speed of its compute time, or with
+    a `pace` to exactly pace/speed seconds (a step whose compute alone takes longer overruns, and is counted)."""
 
     speed: float = 1.0
+    pace: float | None = None
     busy: list[float] = field(default_factory=list)
+    overruns: int = 0
+    """Paced steps whose compute took longer than the pace allowed."""
 
     def start(self) -> float:
         return time.monotonic()
 
     def finish(self, started: float) -> float:
         compute = time.monotonic() - started
-        if self.speed < 1.0:
+        if self.pace:
+            target = self.pace / self.speed
+            if compute > target:
+                self.overruns += 1
+                if self.overruns in (1, 10, 100, 1000):
+                    log.warning("step took %.3f s of compute, over its pace of %.3f s (%d such steps): the "
+                                "machine is busier than the pace allows; give a larger --pace", compute, target,
+                                self.overruns)
+            else:
+                time.sleep(target - compute)
+        elif self.speed < 1.0:
             time.sleep(compute * (1.0 / self.speed - 1.0))
         busy = time.monotonic() - started
         self.busy.append(busy)
@@ -118,7 +138,7 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
     optimizer = make_inner_optimizer(model, cfg)
     sampler = ShardSampler(corpus.train, opts.shard * ranks + rank, opts.num_shards * ranks, cfg.model.seq_len,
                            cfg.batch_size, cfg.seed, position=learner.data_position)
-    clock, log = StepClock(opts.speed), MetricsLog(opts.metrics_path if rank == 0 else None)
+    clock, metrics = StepClock(opts.speed, opts.pace), MetricsLog(opts.metrics_path if rank == 0 else None)
     tokens_per_step = cfg.tokens_per_step()
     started = time.time()
     try:
@@ -134,7 +154,7 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
             loss = train_step(model, optimizer, x, y, learner.step_count, cfg, progress)
             busy = clock.finish(t0)
             learner.step(tokens_per_step, loss=loss, data_position=sampler.position)
-            log.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
+            metrics.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
                       tokens_per_second=tokens_per_step * ranks / busy, pushes=learner.pushes, applied=learner.applied,
                       versions=learner.global_fragment_versions())
         learner.finish()
@@ -142,12 +162,12 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
         learner.close()
         raise
     finally:
-        log.close()
+        metrics.close()
     busy = sorted(clock.busy) or [float("nan")]
     return {
         "id": opts.learner_id, "steps": learner.step_count, "tokens": learner.tokens, "pushes": learner.pushes,
         "applied": learner.applied, "skipped": learner.skipped, "flushed": learner.flushed, "refused": learner.refused,
         "realigned": learner.realigned, "schedule_position": learner.schedule_position, "speed": opts.speed,
-        "busy_seconds_median": busy[len(busy) // 2], "wall_seconds": time.time() - started,
+        "pace": opts.pace, "pace_overruns": clock.overruns, "busy_seconds_median": busy[len(busy) // 2], "wall_seconds": time.time() - started,
         "wire_bytes": transport.wire_bytes if transport is not None else 0, "ranks": ranks,
     }
