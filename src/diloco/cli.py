@@ -65,8 +65,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--sync-buffers", action=argparse.BooleanOptionalAction, default=None,
                    help="average floating-point buffers (BatchNorm statistics) every H steps (on); "
                         "--no-sync-buffers keeps them local after join")
-    g.add_argument("--no-delayed-momentum", dest="delayed_momentum", action="store_false", default=None,
-                   help="advance outer momentum on every round, even partial ones")
+    g.add_argument("--delayed-momentum", action=argparse.BooleanOptionalAction, default=None,
+                   help="advance the outer momentum once per full round's worth of contributions (default preset: "
+                        "on); --no-delayed-momentum advances it on every round, even partial ones")
     g.add_argument("--heartbeat-seconds", type=float, help=argparse.SUPPRESS)
     g.add_argument("--absent-after-seconds", type=float, help="a learner silent this long is absent (10)")
 

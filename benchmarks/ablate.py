@@ -1,0 +1,133 @@
+"""Ablation of this project's additions to the published algorithm: the paper preset, each addition put on it
+one at a time, the defaults, and each addition taken off them one at a time — at equal allocated tokens
+(every learner paced alike for the same duration), several seeds, on two settings:
+
+- equal: 4 learners of equal speed;
+- hetero: speeds 1,1,0.5,0.25 and one learner (chosen by the seed) killed for a fifth of the run.
+
+    python benchmarks/ablate.py --model tiny --duration 30 --seeds 0,1,2 --json runs/ablate.json
+
+Each run is one `diloco run --json` in decoupled mode; the table gives the held-out loss (mean ± half the range
+over seeds), the tokens trained and goodput. A run costs the duration plus about 15 s of start-up and evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+MECHANISMS = {
+    # name: (flags that turn it on over the paper preset, flags that turn it off under the defaults)
+    "keep-overlap": (["--keep-overlap"], ["--no-keep-overlap"]),
+    "align-pushes": (["--align-pushes"], ["--no-align-pushes"]),
+    "predicted-pushes": (["--grace-expect-steps", "6"], ["--grace-expect-steps", "0"]),
+    "partial-round-scaling": (["--scale-partial-rounds"], ["--no-scale-partial-rounds"]),
+    "delayed-momentum": (["--delayed-momentum"], ["--no-delayed-momentum"]),
+    "long-contribution-clamp": (["--clamp-long-contributions"], ["--no-clamp-long-contributions"]),
+    "outlier-refusal": (["--max-norm-ratio", "50", "--norm-ceiling", "1"], ["--max-norm-ratio", "0", "--norm-ceiling", "0"]),
+    "outer-lr1-mu0": (["--outer-lr", "1", "--outer-momentum", "0"], ["--outer-lr", "0.7", "--outer-momentum", "0.9"]),
+    "int8-downlink": (["--down-codec", "int8"], ["--down-codec", "fp32"]),
+}
+SETTINGS = {
+    "equal": [],
+    "hetero": ["--speeds", "1,1,0.5,0.25", "--chaos", "kill-one"],
+}
+
+
+def configurations(mechanisms: list[str], include: str) -> dict[str, list[str]]:
+    """Name → extra flags: the paper preset, paper + each mechanism, the defaults, defaults − each mechanism."""
+    out = {}
+    if include in ("all", "paper"):
+        out["paper"] = ["--preset", "paper"]
+        for m in mechanisms:
+            out[f"paper + {m}"] = ["--preset", "paper", *MECHANISMS[m][0]]
+    if include in ("all", "default"):
+        out["default"] = []
+        for m in mechanisms:
+            out[f"default − {m}"] = MECHANISMS[m][1]
+    return out
+
+
+def run_once(flags: list[str], setting: str, seed: int, args, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "diloco", "run", "--mode", "decoupled", "--learners", "4", "--model", args.model,
+           "--duration", str(args.duration), "--pace", str(args.pace), "--seed", str(seed), "--json",
+           "--no-progress", "--snapshots", "2", "--out", str(out), *SETTINGS[setting], *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run failed ({' '.join(cmd[3:])}): {proc.stderr[-1500:]}")
+    report = json.loads(proc.stdout)
+    return {k: report[k] for k in ("final_eval_loss", "initial_eval_loss", "tokens_trained", "tokens_merged",
+                                   "goodput", "wall_seconds", "pace_overruns")}
+
+
+def summarise(runs: list[dict]) -> dict:
+    losses = [r["final_eval_loss"] for r in runs]
+    return {"loss_mean": statistics.fmean(losses), "loss_half_range": (max(losses) - min(losses)) / 2,
+            "tokens_trained": statistics.fmean(r["tokens_trained"] for r in runs),
+            "goodput": statistics.fmean(r["goodput"] for r in runs), "runs": len(runs)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("small", "tiny"), default="tiny")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of training per run")
+    p.add_argument("--pace", type=float, help="seconds per step at speed 1 (default: measured once, as --pace auto)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--settings", default="equal,hetero", help=f"comma-separated: {', '.join(SETTINGS)}")
+    p.add_argument("--mechanisms", default=",".join(MECHANISMS), help="comma-separated subset")
+    p.add_argument("--include", choices=("all", "paper", "default"), default="all",
+                   help="which sweeps: paper + each, defaults − each, or both")
+    p.add_argument("--out", type=Path, default=Path("runs") / f"ablate-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--json", type=Path, help="write the results here (also written as the sweep goes)")
+    args = p.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    mechanisms = args.mechanisms.split(",")
+    unknown = [m for m in mechanisms if m not in MECHANISMS]
+    if unknown:
+        p.error(f"unknown mechanism {unknown[0]!r}; choose from {', '.join(MECHANISMS)}")
+    if args.pace is None:
+        from diloco.run.local import TINY
+        from diloco.run.pacing import auto_pace
+        from diloco.train.config import TrainConfig
+
+        train = TrainConfig(model=TINY) if args.model == "tiny" else TrainConfig()
+        args.pace = auto_pace(train, 5)
+    console = Console(stderr=True)
+    configs = configurations(mechanisms, args.include)
+    total = len(configs) * len(seeds) * len(args.settings.split(","))
+    console.print(f"{total} runs of {args.duration:g} s, paced at {args.pace:.3f} s per step")
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "settings": {}}
+    done = 0
+    for setting in args.settings.split(","):
+        rows = results["settings"][setting] = {}
+        for name, flags in configs.items():
+            runs = []
+            for seed in seeds:
+                tag = f"{setting}-{name.replace(' ', '').replace('−', '-minus-').replace('+', '-plus-')}-s{seed}"
+                runs.append(run_once(flags, setting, seed, args, args.out / tag))
+                done += 1
+                console.print(f"[{done}/{total}] {setting} · {name} · seed {seed}: loss "
+                              f"{runs[-1]['final_eval_loss']:.4f}, goodput {runs[-1]['goodput']:.3f}")
+            rows[name] = {**summarise(runs), "flags": flags, "per_seed": runs}
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=1))
+        table = Table(title=f"{setting}: held-out loss at equal allocated tokens ({len(seeds)} seeds)")
+        for col in ("configuration", "loss (mean ± half range)", "tokens trained", "goodput"):
+            table.add_column(col, justify="left" if col == "configuration" else "right")
+        for name, r in rows.items():
+            table.add_row(name, f"{r['loss_mean']:.4f} ± {r['loss_half_range']:.4f}", f"{r['tokens_trained']:,.0f}",
+                          f"{r['goodput']:.3f}")
+        Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
