@@ -34,7 +34,8 @@ MECHANISMS = {
     "long-contribution-clamp": (["--clamp-long-contributions"], ["--no-clamp-long-contributions"]),
     "outlier-refusal": (["--max-norm-ratio", "50", "--norm-ceiling", "1"], ["--max-norm-ratio", "0", "--norm-ceiling", "0"]),
     "outer-lr1-mu0": (["--outer-lr", "1", "--outer-momentum", "0"], ["--outer-lr", "0.7", "--outer-momentum", "0.9"]),
-    "int8-downlink": (["--down-codec", "int8"], ["--down-codec", "fp32"]),
+    "int8-downlink": (["--down-codec", "int8", "--publish-to", "contributors"], ["--down-codec", "fp32"]),
+    "publish-to-contributors": (["--publish-to", "contributors"], ["--publish-to", "live", "--down-codec", "fp32"]),
 }
 SETTINGS = {
     "equal": [],

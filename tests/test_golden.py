@@ -274,12 +274,16 @@ def test_the_in_process_transport_honours_error_feedback():
     assert 0 in transport._feedback._residual  # the quantisation error is carried into the next push
 
 
-def test_paper_preset_takes_a_full_outer_step_for_each_k1_partial_round():
+@pytest.mark.parametrize("publish_to", ["live", "contributors"])
+def test_paper_preset_takes_a_full_outer_step_for_each_k1_partial_round(publish_to):
     # Θ0 = 1, K = 1, P = 1, H = 2, τ = 0, inner SGD lr 0.25, DiLoCo's η = 0.7, μ = 0.9 (the paper preset).
-    # A (g = 1) pushes Δ_A = 0.5 alone: v = 0.5, Θ = 1 − 0.7·(0.5 + 0.9·0.5) = 0.335.
-    # B (g = 3, still on version 0) pushes Δ_B = 1.5 alone: v = 0.9·0.5 + 1.5 = 1.95,
-    # Θ = 0.335 − 0.7·(1.5 + 0.9·1.95) = −1.9435. Each learner overwrites with the result of its own round.
-    cfg = for_mode("decoupled", 2, preset="paper", fragments=1, sync_every=2, overlap=0, codec="fp32")
+    # A (g = 1) pushes Δ_A = 0.5 alone: v = 0.5, Θ1 = 1 − 0.7·(0.5 + 0.9·0.5) = 0.335.
+    # live (the paper): B (g = 3) gets Θ1 unasked and applies it after its first step (overwriting 0.25), then
+    #   pushes Δ_B = 0.335 − (0.335 − 0.75) = 0.75 on version 1: v = 0.45 + 0.75 = 1.2, Θ2 = 0.335 − 0.7·1.83 = −0.946;
+    #   A, with no push in flight, gets Θ2 unasked and applies it at its next step.
+    # contributors: B trains on from 1 and pushes Δ_B = 1.5 on version 0: v = 1.95, Θ2 = 0.335 − 0.7·3.255 = −1.9435.
+    cfg = for_mode("decoupled", 2, preset="paper", fragments=1, sync_every=2, overlap=0, codec="fp32",
+                   publish_to=publish_to)
     assert (cfg.outer_lr, cfg.outer_momentum, cfg.down_codec, cfg.scale_partial_rounds) == (0.7, 0.9, "fp32", False)
     local = LocalSyncer(SyncerCore(cfg))
     models = [FixedGradient(), FixedGradient()]
@@ -288,10 +292,14 @@ def test_paper_preset_takes_a_full_outer_step_for_each_k1_partial_round():
     train_steps(models[0], opts[0], learners[0], [1.0, 1.0])
     assert models[0].w.item() == pytest.approx(0.335, abs=1e-6)
     train_steps(models[1], opts[1], learners[1], [3.0, 3.0])
-    assert models[1].w.item() == pytest.approx(-1.9435, abs=1e-6)
+    theta2, momentum = (-0.946, 1.2) if publish_to == "live" else (-1.9435, 1.95)
+    assert models[1].w.item() == pytest.approx(theta2, abs=1e-6)
     fs = local.core.fragments[0]
-    assert fs.version == 2 and fs.theta.item() == pytest.approx(-1.9435, abs=1e-6)
-    assert fs.momentum.item() == pytest.approx(1.95, abs=1e-6)
+    assert fs.version == 2 and fs.theta.item() == pytest.approx(theta2, abs=1e-6)
+    assert fs.momentum.item() == pytest.approx(momentum, abs=1e-6)
+    train_steps(models[0], opts[0], learners[0], [1.0])  # A's third step: no push due
+    expected_a = theta2 if publish_to == "live" else 0.335 - 0.25
+    assert models[0].w.item() == pytest.approx(expected_a, abs=1e-6)
 
 
 @pytest.mark.parametrize("preset, weight_b", [("paper", 3.0), ("default", 1.0)])

@@ -46,3 +46,10 @@ def test_every_switch_is_on_the_command_line():
     switches = {"scale_partial_rounds", "clamp_long_contributions", "max_norm_ratio", "norm_ceiling", "keep_overlap",
                 "align_pushes", "grace_expect_steps", "delayed_momentum", "preset"}
     assert switches <= set(SYNC_FLAGS)
+
+
+def test_publishing_to_every_live_learner_needs_full_values_down():
+    with pytest.raises(ValueError, match="--publish-to live needs --down-codec fp32"):
+        for_mode("decoupled", 2, publish_to="live")
+    assert for_mode("decoupled", 2, preset="paper").publish_to == "live"
+    assert for_mode("decoupled", 2).publish_to == "contributors"

@@ -498,3 +498,13 @@ def test_departed_learners_are_forgotten_after_a_while_and_beyond_a_cap(monkeypa
     assert core.expire() == ["x0", "x1"] and set(core.learners) == {"x2", "x3", "x4"}
     live = core.join("x0", SPECS)  # a forgotten id joins afresh
     assert core.learners["x0"].session == live and core.learners["x0"].data_position == 0
+
+
+def test_publishing_to_live_learners_sends_the_round_unasked_to_those_that_did_not_push():
+    core, clock = make_core(learners=3, grace=0.0, publish_to="live", down_codec="fp32")
+    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    core.leave("c", core.join("c", SPECS))  # gone: not live
+    assert push(core, "a", sa, 1).accepted
+    pubs = core.poll()
+    assert sorted((p.learner, p.seq, p.full) for p in pubs) == [("a", 1, True), ("b", 0, True)]
+    assert core.learners["b"].versions[1] == core.fragments[1].version

@@ -16,7 +16,7 @@ SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_cod
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds",
-              "clamp_long_contributions")
+              "clamp_long_contributions", "publish_to")
 
 
 class UserError(Exception):
@@ -49,6 +49,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
                    help="scale a round's step by its share of the expected tokens (default preset: on; paper: off)")
     g.add_argument("--clamp-long-contributions", action=argparse.BooleanOptionalAction, default=None,
                    help="count contributions of more than H steps as H steps (default preset: on; paper: off)")
+    g.add_argument("--publish-to", choices=("contributors", "live"),
+                   help="who receives a merged fragment: the round's contributors (default preset) or every live "
+                        "learner, which overwrites its progress on it (paper; needs --down-codec fp32)")
     g.add_argument("--staleness-decay", type=float, help="λ: weight / (1 + λ·staleness) (0)")
     g.add_argument("--max-norm-ratio", type=float,
                    help="refuse contributions whose norm per step is over this multiple of the fragment's recent "

@@ -14,7 +14,7 @@ PRESETS = ("default", "paper")
 
 PAPER = dict(
     keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
-    delayed_momentum=False, clamp_long_contributions=False, max_norm_ratio=0.0, norm_ceiling=0.0, outer_lr=0.7,
+    delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, outer_lr=0.7,
     outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
     grace=None, grace_gamma=0.5, grace_cap_steps=1.0,
 )
@@ -70,6 +70,11 @@ class SyncConfig:
     """Ours. Count a contribution of more than H local steps as H steps in weights and round shares (its tokens
     scaled by H / steps): a learner back from a long disconnection does not take most of a round. Off, the weight
     is tokens² / steps whatever the length (the paper)."""
+    publish_to: str = "contributors"
+    """Ours ("live" is the paper's). Who receives a merged fragment: contributors (each learner gets it in answer to
+    its own push, so no learner's progress is overwritten before it is pushed) or live (DESIGN §3.4: every live
+    learner; one with no push of the fragment in flight applies it at once, overwriting its progress on the
+    fragment since its last apply). live needs down_codec fp32."""
     delayed_momentum: bool = True
     """Ours. Advance the outer momentum once per full round's worth of contributions; partial rounds take plain
     steps in between. Identical to Nesterov when every round is full; keeps K = 1 from diverging."""
@@ -153,6 +158,11 @@ def for_mode(mode: str, learners: int, preset: str | None = None, **overrides) -
 def validate(cfg: SyncConfig, learners: int | None = None) -> None:
     check_codec(cfg.codec)
     check_codec(cfg.down_codec)
+    if cfg.publish_to not in ("contributors", "live"):
+        raise ValueError(f"--publish-to must be contributors or live, got {cfg.publish_to!r}")
+    if cfg.publish_to == "live" and cfg.down_codec != "fp32":
+        raise ValueError(f"--publish-to live needs --down-codec fp32 (got {cfg.down_codec}): a learner with a push "
+                         f"in flight must not see the values that push is computed from change under it")
     if cfg.preset not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose {' or '.join(PRESETS)}")
     if cfg.fragments < 1:

@@ -331,7 +331,13 @@ class Learner:
     def _collect(self, block: bool, timeout: float | None = None) -> None:
         for arrival in self.transport.arrivals(timeout if block else None):
             slot = self._slot.get(arrival.fragment)
-            if slot is None or slot.pushed_at is None or arrival.seq != slot.pushed_seq:
+            if slot is None:
+                continue
+            if slot.pushed_at is None and arrival.seq == 0 and self.config.publish_to == "live":
+                if arrival.version > slot.version:  # published to every live learner: applied at once (overwrite)
+                    slot.ready = arrival
+                continue
+            if slot.pushed_at is None or arrival.seq != slot.pushed_seq:
                 continue  # an answer to an earlier (re-sent) push: applying it would count progress twice
             if arrival.refused:
                 self.refused += 1
@@ -342,6 +348,9 @@ class Learner:
         self._collect(block=False)
         out = []
         for slot in self.slots:
+            if slot.pushed_at is None and slot.ready is not None:  # unasked (publish_to live): nothing to wait for
+                out.append((slot.fragment.index, False))
+                continue
             if slot.pushed_at is None or self.step_count < slot.pushed_at + self.config.overlap:
                 continue
             while slot.ready is None and self.config.wait_for_merge:

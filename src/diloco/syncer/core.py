@@ -540,6 +540,9 @@ class SyncerCore:
         self.persist([index])  # durable before it is published
         full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
         out = [pub for c in contributions for pub in downlink.publications(self.learners[c.learner], index, fs, c.seq, full)]
+        if self.cfg.publish_to == "live":  # DESIGN §3.4: to every live learner, unasked (seq 0) where it did not push
+            others = sorted(self.live() - {c.learner for c in contributions})
+            out += [pub for lid in others for pub in downlink.publications(self.learners[lid], index, fs, 0, full)]
         seconds = time.monotonic() - started
         with self.lock:
             self.sync_avg.update(self.clock() - clock_started)
