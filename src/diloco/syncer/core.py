@@ -108,7 +108,12 @@ class PushResult:
 
 class SyncerCore:
     def __init__(self, cfg: SyncConfig, clock: Callable[[], float] = time.monotonic, token_budget: int | None = None,
-                 duration: float | None = None, store: StateStore | None = None):
+                 duration: float | None = None, store: StateStore | None = None, shard: tuple[int, int] = (0, 1)):
+        """`shard` (i, N): this syncer owns the fragments p with p mod N = i and holds only their state
+        (docs/architecture.md, Sharded syncers); (0, 1) owns them all."""
+        if not 0 <= shard[0] < shard[1]:
+            raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 ≤ i < N")
+        self.shard = shard
         self.cfg = cfg
         self.store = store
         self.clock = clock
@@ -147,6 +152,12 @@ class SyncerCore:
     def initialized(self) -> bool:
         return self.specs is not None
 
+    def owns(self, fragment: int) -> bool:
+        return fragment % self.shard[1] == self.shard[0]
+
+    def owner(self, fragment: int) -> str:
+        return f"shard {fragment % self.shard[1]} of {self.shard[1]}"
+
     def initialize(self, specs: list[TensorSpec], flats: list[torch.Tensor]) -> bool:
         """Adopt the first learner's initial parameters as the global model (fragment order, flat fp32).
 
@@ -158,18 +169,28 @@ class SyncerCore:
         if fitted != self.cfg.fragments:
             self.cfg = replace(self.cfg, fragments=fitted)
         layout = plan_fragments(specs, self.cfg.fragments)
-        if len(flats) != len(layout) or any(f.numel() != fr.numel for f, fr in zip(flats, layout)):
+        if len(flats) != len(layout) or any(f.numel() != fr.numel for f, fr in zip(flats, layout) if self.owns(fr.index)):
             raise Refused("initial parameters do not match the model's fragment layout")
         for fr, f in zip(layout, flats):
-            if not torch.isfinite(f).all():
+            if self.owns(fr.index) and not torch.isfinite(f).all():
                 raise Refused(f"initial values of fragment {fr.index} contain NaN or Inf")
-        fragments = [FragmentState(fr, f.clone(), torch.zeros_like(f) if fr.role == "params" else torch.zeros(0),
-                                   guard=self.norm_guard(fr)) for fr, f in zip(layout, flats)]
+        fragments = [self._state_for(fr, f) for fr, f in zip(layout, flats)]
         with self.lock:
             self.specs = list(specs)
             self.fragments = fragments
-        self.persist(range(len(self.fragments)))
+        self.persist([fs.fragment.index for fs in self.owned])
         return True
+
+    def _state_for(self, fragment: Fragment, flat: torch.Tensor) -> "FragmentState":
+        """A fragment's state from its initial values; empty for one another shard owns."""
+        if not self.owns(fragment.index):
+            return FragmentState(fragment, torch.zeros(0), torch.zeros(0))
+        momentum = torch.zeros_like(flat) if fragment.role == "params" else torch.zeros(0)
+        return FragmentState(fragment, flat.clone(), momentum, guard=self.norm_guard(fragment))
+
+    @property
+    def owned(self) -> list["FragmentState"]:
+        return [fs for fs in self.fragments if self.owns(fs.fragment.index)]
 
     def norm_guard(self, fragment: Fragment) -> NormGuard | None:
         """The outlier bounds for a parameter fragment (buffers are averaged, not stepped: no bound)."""
@@ -181,12 +202,15 @@ class SyncerCore:
         """The global model as its whole state_dict: every tensor in its own dtype, in model order, an alias (a tied
         head) as a copy of the tensor it shares, so that `load_state_dict(strict=True)` takes it as it is."""
         out = {}
-        for fs in self.fragments:
+        for fs in self.owned:
             offset = 0
             for s in fs.fragment.specs:
                 out[s.name] = fs.theta[offset : offset + s.numel].view(s.shape).to(getattr(torch, s.dtype)).clone()
                 offset += s.numel
-        return {s.name: out[s.alias_of].clone() if s.kind == "alias" else out[s.name] for s in self.specs or []}
+        # a shard's model holds its own fragments' tensors (and aliases of them): the shards' files together are
+        # the whole state_dict
+        return {s.name: out[s.alias_of].clone() if s.kind == "alias" else out[s.name] for s in self.specs or []
+                if (s.alias_of if s.kind == "alias" else s.name) in out}
 
     @property
     def param_fragments(self) -> list["FragmentState"]:
@@ -216,15 +240,15 @@ class SyncerCore:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
             record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
-            record.versions = {i: fs.version for i, fs in enumerate(self.fragments)}
+            record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
         return session
 
     def snapshot_for_join(self, learner_id: str) -> list[tuple[int, int, torch.Tensor]]:
         """(fragment, version, full values P_v) for a joiner, recorded as what it holds. Copies: the caller sends
         them while later rounds change the fragments in place."""
         record = self.learners[learner_id]
-        record.versions = {i: fs.version for i, fs in enumerate(self.fragments)}
-        return [(i, fs.version, fs.values.clone()) for i, fs in enumerate(self.fragments)]
+        record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
+        return [(i, fs.version, fs.values.clone()) for i, fs in enumerate(self.fragments) if self.owns(i)]
 
     def _record(self, learner_id: str, session: str) -> LearnerRecord:
         record = self.learners.get(learner_id)
@@ -324,6 +348,8 @@ class SyncerCore:
         with self.lock:
             record = self._record(learner_id, session)
             record.last_seen = self.clock()
+            if 0 <= fragment < len(self.fragments) and not self.owns(fragment):
+                return PushResult(False, f"wrong shard: fragment {fragment} is served by {self.owner(fragment)}")
             if seq <= record.merged_seq.get(f"{session}:{fragment}", 0):
                 # merged before (perhaps before a restart): its result may have been missed, so send the current values
                 return PushResult(True, "duplicate push ignored", duplicate=True, resync=True)
@@ -411,7 +437,7 @@ class SyncerCore:
 
     def payload_limit(self, fragment: int, codec_name: str) -> int:
         """Bytes a push of `fragment` may carry: the service refuses larger streams before buffering them."""
-        if not self.initialized or not 0 <= fragment < len(self.fragments):
+        if not self.initialized or not 0 <= fragment < len(self.fragments) or not self.owns(fragment):
             return 0
         return codec.encoded_size(self.fragments[fragment].fragment.numel, codec.check_codec(codec_name))
 
@@ -589,6 +615,8 @@ class SyncerCore:
             now = self.clock()
             return {
                 "mode": self.cfg.mode,
+                "shard": list(self.shard),
+                "owned_fragments": [i for i in range(len(self.fragments)) if self.owns(i)],
                 "uptime_seconds": round(now - self.started_at, 3),
                 "started_unix": self.started_unix,
                 "initialized": self.initialized,

@@ -12,7 +12,7 @@ import torch
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec, plan_fragments
 from diloco.syncer.ledger import LearnerRecord
-from diloco.syncer.store import Damaged, Loaded, fragment_version
+from diloco.syncer.store import Damaged, Loaded, StateError, fragment_version
 
 log = logging.getLogger("diloco.syncer")
 
@@ -22,6 +22,7 @@ def ledger(core) -> dict:
     now = core.clock()
     return {
         "config": json.loads(core.cfg.to_json()),
+        "shard": list(core.shard),
         "specs": [[s.name, list(s.shape), s.dtype, s.embedding, s.kind, s.alias_of] for s in core.specs or []],
         "versions": [fs.version for fs in core.fragments],
         "pending_share": [fs.pending_share for fs in core.fragments],
@@ -88,17 +89,28 @@ def _parse(led: dict, ledger_name: str):
     return cfg, specs, layout
 
 
+def _shard(led: dict, ledger_name: str) -> tuple[int, int]:
+    shard = led.get("shard", [0, 1])  # states written before sharding hold every fragment
+    if not (isinstance(shard, list) and len(shard) == 2 and all(isinstance(x, int) for x in shard)
+            and 0 <= shard[0] < shard[1]):
+        raise Damaged(ledger_name, f"names no valid shard ({shard!r})")
+    return shard[0], shard[1]
+
+
 def check(loaded: Loaded) -> None:
     """What the ledger implies of the fragment files: one per fragment, at the ledger's version (file names carry
     it), with the tensors and shapes of that fragment. Raises Damaged naming the file."""
     led, ledger_name = loaded.ledger, loaded.files["ledger"]
     _, _, layout = _parse(led, ledger_name)
     versions = led["versions"]
+    shard, shards = _shard(led, ledger_name)
     if not isinstance(versions, list) or len(versions) != len(layout) or len(led["pending_share"]) != len(layout):
         raise Damaged(ledger_name, f"lists {len(versions) if isinstance(versions, list) else '?'} fragment versions "
                                    f"but its model has {len(layout)} fragments")
     for fragment in layout:
         i = fragment.index
+        if i % shards != shard:
+            continue  # another shard's fragment: no file here
         name = loaded.files.get(f"fragment-{i}")
         if name is None or i not in loaded.fragments:
             raise Damaged(ledger_name, f"fragment {i} has no file in the manifest")
@@ -127,6 +139,11 @@ def restore(core) -> bool:
         return False
     led, now = loaded.ledger, core.clock()
     stored_cfg, specs, layout = _parse(led, loaded.files["ledger"])
+    stored_shard = _shard(led, loaded.files["ledger"])
+    if stored_shard != tuple(core.shard):
+        raise StateError(f"state directory {core.store.folder} belongs to syncer shard {stored_shard[0]}/"
+                         f"{stored_shard[1]}, not {core.shard[0]}/{core.shard[1]}: give each shard its own --state "
+                         f"directory, and restart it with the --shard it was started with")
     if stored_cfg != core.cfg:
         log.warning("resuming with the stored run configuration, not the one given (the run's identity is the "
                     "stored one): %s", "; ".join(config_differences(stored_cfg, core.cfg)))
@@ -134,6 +151,9 @@ def restore(core) -> bool:
     core.specs = specs
     core.fragments = []
     for i, fragment in enumerate(layout):
+        if not core.owns(i):
+            core.fragments.append(FragmentState(fragment, torch.zeros(0), torch.zeros(0), led["versions"][i]))
+            continue
         t = loaded.fragments[i]
         fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i], guard=core.norm_guard(fragment))
         fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]

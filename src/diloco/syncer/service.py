@@ -394,6 +394,10 @@ class SyncerService(pb_grpc.SyncerServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "out of bounds", str(e))
         try:
             bounds.check_fragment(header.fragment, len(self.core.fragments))
+            if not self.core.owns(header.fragment):
+                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "wrong shard",
+                                   f"fragment {header.fragment} is served by {self.core.owner(header.fragment)}; "
+                                   f"give the learner every shard's address (--syncer A,B,...)")
             limit = self.core.payload_limit(header.fragment, header.codec)
         except ValueError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad fragment or codec", f"bad push header: {e}")

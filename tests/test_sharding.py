@@ -1,0 +1,79 @@
+"""Sharded syncers: each owns the fragments p with p mod N = i; together they give what one syncer gives."""
+
+import pytest
+import torch
+
+from diloco import codec
+from diloco.config import for_mode
+from diloco.fragments import TensorSpec, plan_fragments
+from diloco.syncer.core import SyncerCore
+from diloco.syncer.store import StateError, StateStore
+
+SPECS = [TensorSpec("emb", (8, 4), "float32", True), TensorSpec("w1", (6, 4), "float32"),
+         TensorSpec("w2", (5, 4), "float32"), TensorSpec("w3", (12,), "float32"), TensorSpec("b", (3,), "float32")]
+
+
+def cores(shards: int, store_dir=None):
+    cfg = for_mode("decoupled", 2, fragments=4, sync_every=4, codec="fp32", down_codec="fp32", grace=0.0)
+    layout = plan_fragments(SPECS, 4)
+    out = []
+    for i in range(shards):
+        store = StateStore(store_dir / f"shard-{i}") if store_dir else None
+        core = SyncerCore(cfg, shard=(i, shards), store=store)
+        core.initialize(SPECS, [torch.linspace(-1, 1, f.numel) * (f.index + 1) for f in layout])
+        out.append(core)
+    return out, layout
+
+
+def drive(all_cores, layout, rounds=3):
+    """The same contributions from two learners, each fragment's sent to the core that owns it."""
+    sessions = [{lid: core.join(lid, SPECS) for lid in ("a", "b")} for core in all_cores]
+    gen = torch.Generator().manual_seed(0)
+    seq = 0
+    for _ in range(rounds):
+        seq += 1
+        for lid in ("a", "b"):
+            for f in layout:
+                delta = torch.randn(f.numel, generator=gen) * 0.01
+                for core, s in zip(all_cores, sessions):
+                    if core.owns(f.index):
+                        base = core.fragments[f.index].version
+                        assert core.push(lid, s[lid], seq, f.index, base, 4, 64, codec.encode(delta, "fp32")).accepted
+        for core in all_cores:
+            core.poll(force=True)
+
+
+def test_two_shards_give_exactly_the_model_one_syncer_gives():
+    (single,), layout = cores(1)
+    shards, _ = cores(2)
+    drive([single, *shards], layout)
+    assembled = {**shards[0].params(), **shards[1].params()}
+    assert set(shards[0].params()).isdisjoint(shards[1].params())
+    expected = single.params()
+    assert assembled.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(assembled[name], value), name
+    assert [fs.version for fs in single.fragments] == [shards[f % 2].fragments[f].version for f in range(4)]
+
+
+def test_a_shard_holds_only_its_fragments_and_refuses_the_others_without_a_resync():
+    (shard0, shard1), _ = cores(2)
+    assert [fs.theta.numel() > 0 for fs in shard0.fragments] == [True, False, True, False]
+    s = shard1.join("a", SPECS)
+    assert [i for i, _, _ in shard1.snapshot_for_join("a")] == [1, 3]
+    result = shard1.push("a", s, 1, 0, 0, 4, 64, codec.encode(torch.zeros(shard1.fragments[0].fragment.numel), "fp32"))
+    assert not result.accepted and not result.resync and "served by shard 0 of 2" in result.reason
+    assert shard1.payload_limit(0, "fp32") == 0 and shard1.status()["owned_fragments"] == [1, 3]
+
+
+def test_a_shard_resumes_its_own_state_and_refuses_another_shards(tmp_path):
+    shards, layout = cores(2, tmp_path)
+    drive(shards, layout, rounds=2)
+    versions = [fs.version for fs in shards[1].owned]
+    cfg = shards[1].cfg
+    again = SyncerCore(cfg, shard=(1, 2), store=StateStore(tmp_path / "shard-1"))
+    assert again.restore() and [fs.version for fs in again.owned] == versions
+    assert all(torch.equal(a.theta, b.theta) for a, b in zip(again.owned, shards[1].owned))
+    wrong = SyncerCore(cfg, shard=(0, 2), store=StateStore(tmp_path / "shard-1"))
+    with pytest.raises(StateError, match="belongs to syncer shard 1/2, not 0/2"):
+        wrong.restore()
