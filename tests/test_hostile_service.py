@@ -464,3 +464,37 @@ def test_initial_upload_larger_than_its_specs_is_refused():
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "limit" in details
     finally:
         syncer.stop()
+
+
+def test_a_call_that_arrives_while_the_syncer_stops_is_unavailable_not_unknown():
+    import asyncio
+
+    from diloco.syncer.guard import ShuttingDown
+    from diloco.syncer.service import SyncerService
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco.syncer.guard import guarded
+
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    with pytest.raises(ShuttingDown):
+        asyncio.run(SyncerService._run(pool, lambda: None))
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details="", trailing_metadata=()):
+            self.code = code
+            raise Aborted
+
+    class Service:
+        @guarded
+        async def Heartbeat(self, request, context):
+            return await SyncerService._run(pool, lambda: None)
+
+    context = Context()
+    with pytest.raises(Aborted):
+        asyncio.run(Service().Heartbeat(None, context))
+    assert context.code == grpc.StatusCode.UNAVAILABLE

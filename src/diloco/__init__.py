@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Learner": "diloco.learner.learner",
     "GrpcTransport": "diloco.learner.grpc_transport",
+    "ShardedTransport": "diloco.learner.sharded",
     "LocalSyncer": "diloco.learner.transport",
     "LocalTransport": "diloco.learner.transport",
     "SyncerError": "diloco.learner.transport",

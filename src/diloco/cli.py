@@ -104,6 +104,16 @@ def train_config(args):
     return cfg
 
 
+def shard_spec(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"shard {text}: need 0 ≤ I < N")
+    return i, n
+
+
 def positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -119,6 +129,10 @@ def address(text: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return text
+
+
+def addresses(text: str) -> list[str]:
+    return [address(part.strip()) for part in text.split(",")]
 
 
 def cmd_syncer(args) -> int:
@@ -137,7 +151,7 @@ def cmd_syncer(args) -> int:
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout, recover=args.state_recover,
                          insecure=args.insecure, status_token=args.status_token,
-                         allow_takeover=args.allow_takeover)
+                         allow_takeover=args.allow_takeover, shard=args.shard)
     status = asyncio.run(serve(cfg, opts))
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
     return 0
@@ -197,15 +211,17 @@ def cmd_learner(args) -> int:
     import torch
 
     from diloco.learner.grpc_transport import GrpcTransport
+    from diloco.learner.sharded import ShardedTransport
     from diloco.train.loop import WorkerOptions, run_learner
     from diloco.wire.tls import plaintext_token_problem
 
     tls = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
-    problem = plaintext_token_problem(args.syncer, args.token, tls)
-    if problem and not args.insecure:
-        raise UserError(problem)
-    if problem:
-        logging.getLogger("diloco.learner").warning("sending the run token to %s in plaintext (--insecure)", args.syncer)
+    for target in args.syncer:
+        problem = plaintext_token_problem(target, args.token, tls)
+        if problem and not args.insecure:
+            raise UserError(problem)
+        if problem:
+            logging.getLogger("diloco.learner").warning("sending the run token to %s in plaintext (--insecure)", target)
     torch.set_num_threads(args.threads)
     cfg = train_config(args)
     device = learner_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -213,9 +229,12 @@ def cmd_learner(args) -> int:
     leader = group is None or int(os.environ.get("RANK", "0")) == 0
     opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.pace, args.max_steps, args.metrics,
                          stop=leave_on_signal())
-    transport = GrpcTransport(args.syncer, token=args.token or "", connect_timeout=args.connect_timeout,
-                              stall_timeout=args.stall_timeout, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                              tls_key=args.tls_key) if leader else None
+    options = dict(token=args.token or "", connect_timeout=args.connect_timeout, stall_timeout=args.stall_timeout,
+                   tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    transport = None
+    if leader:
+        transport = (GrpcTransport(args.syncer[0], **options) if len(args.syncer) == 1
+                     else ShardedTransport(args.syncer, **options))
     try:
         summary = run_learner(cfg, transport, opts, device=device, process_group=group)
     finally:
@@ -269,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
+    p.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/N",
+                   help="run as shard I of N syncers, serving the fragments p with p mod N = I (learners take every "
+                        "shard's address: --syncer A,B,...); each shard needs its own --state directory")
     p.add_argument("--allow-takeover", action="store_true",
                    help="let a Join under a live learner's id supersede it without that learner's session secret "
                         "(by default only the learner itself, or one whose stream ended, can take its id)")
@@ -283,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("learner", help="run one learner of the built-in trainer",
                        description="Train as one learner. Under torchrun (`torchrun --nproc-per-node N -m diloco learner "
                                    "...`) the N ranks form one learner: DDP inside it, rank 0 talks to the syncer.")
-    p.add_argument("--syncer", type=address, required=True, help="HOST:PORT of the syncer")
+    p.add_argument("--syncer", type=addresses, required=True,
+                   help="HOST:PORT of the syncer; of a sharded syncer, every shard's in shard order: A,B,...")
     p.add_argument("--id", required=True, help="stable learner name; re-joining under it resumes its data")
     p.add_argument("--token", help="the syncer's shared secret")
     p.add_argument("--shard", type=int, default=0, help="which data shard to read (0)")

@@ -6,12 +6,22 @@ from __future__ import annotations
 import functools
 import inspect
 
+import grpc
+
 from diloco import codec
 
 BAD_INPUT = (ValueError, KeyError, IndexError, OverflowError, TypeError, codec.CorruptPayload)
 """What bad input makes the code below raise; each becomes INVALID_ARGUMENT naming it, never UNKNOWN."""
 MAX_DETAILS = 1000
 """Characters of an error's text in a status: gRPC refuses trailers over 16 KB (the client would see that instead)."""
+
+
+class ShuttingDown(Exception):
+    """The syncer's workers have stopped: the RPC ends UNAVAILABLE, which learners retry (against a restart)."""
+
+
+async def _unavailable(context) -> None:
+    await context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer is shutting down; retry against its replacement")
 
 
 def short(details: str) -> str:
@@ -47,6 +57,8 @@ def guarded(method):
                         yield reply
                 except BAD_INPUT as e:
                     await self._bad_input(context, rpc, e)
+                except ShuttingDown:
+                    await _unavailable(context)
             finally:
                 await replies.aclose()  # runs the handler's own clean-up now (its open-stream count)
         return stream
@@ -58,4 +70,6 @@ def guarded(method):
             return await method(self, request, context)
         except BAD_INPUT as e:
             await self._bad_input(context, rpc, e)
+        except ShuttingDown:
+            await _unavailable(context)
     return unary

@@ -63,6 +63,8 @@ class ServerOptions:
     """Read-only secret for /status and /metrics beyond loopback (besides the run token)."""
     recover: bool = False
     """When the newest state in out/state is damaged, resume from the previous consistent one (--state-recover)."""
+    shard: tuple[int, int] = (0, 1)
+    """(i, N): serve only the fragments p with p mod N = i, as one of N syncer processes (--shard i/N)."""
     allow_takeover: bool = False
     """A Join under an id the syncer sees live supersedes that learner even without its session secret."""
 
@@ -201,7 +203,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
             pass
     store = StateStore(opts.out / "state", recover=opts.recover) if opts.out else None
-    core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store)
+    core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
     if core.restore():
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
     metrics = SyncerMetrics()

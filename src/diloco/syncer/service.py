@@ -27,7 +27,7 @@ import grpc
 from diloco import codec
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
 from diloco.syncer.downlink import Publication
-from diloco.syncer.guard import guarded, short
+from diloco.syncer.guard import ShuttingDown, guarded, short
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
@@ -87,11 +87,19 @@ class SyncerService(pb_grpc.SyncerServicer):
             return fn(*args, **kwargs)
 
         self._submitted += 1
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        return await self._run(self._pool, call)
 
     async def _ledger(self, fn, *args, **kwargs):
         """Run a light SyncerCore call (heartbeat, leave, status: the lock only) beside the core worker."""
-        return await asyncio.get_running_loop().run_in_executor(self._ledger_pool, lambda: fn(*args, **kwargs))
+        return await self._run(self._ledger_pool, lambda: fn(*args, **kwargs))
+
+    @staticmethod
+    async def _run(pool, call):
+        try:
+            future = asyncio.get_running_loop().run_in_executor(pool, call)
+        except RuntimeError as e:  # the pool is shut down: the syncer is stopping
+            raise ShuttingDown(str(e)) from None
+        return await future
 
     def core_queue_depth(self) -> int:
         """Calls waiting for the core worker (not counting the one it runs)."""
