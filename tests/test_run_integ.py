@@ -76,3 +76,15 @@ def test_paced_learners_have_fixed_capacities_and_goodput_at_most_one(tmp_path):
         busy = [json.loads(line)["busy"] for line in (out / "metrics" / f"learner-{i}.jsonl").read_text().splitlines()]
         assert len(busy) == 12 and min(busy) >= target * 0.98, busy
     assert 0 < report["goodput"] <= 1
+
+
+def test_a_run_with_two_syncer_shards_trains_and_reports_as_one(tmp_path):
+    report, out = diloco_run(tmp_path, "--learners", "2", "--syncer-shards", "2", "--steps", "24",
+                             "--fragments", "4", "--sync-every", "4")
+    shards = [json.loads((out / "syncer" / f"shard-{i}" / "syncer.json").read_text()) for i in range(2)]
+    assert [s["owned_fragments"] for s in shards] == [[0, 2], [1, 3]]
+    combined = json.loads((out / "syncer" / "syncer.json").read_text())
+    assert all(v >= 1 for v in combined["versions"]), combined["versions"]  # every fragment advanced, at its shard
+    assert combined["rounds"] == sum(s["rounds"] for s in shards) == report["rounds"]
+    assert report["final_eval_loss"] < report["initial_eval_loss"]  # the model assembled from both shards
+    assert all(learner["exit_code"] == 0 and learner["steps"] == 24 for learner in report["per_learner"])

@@ -27,6 +27,8 @@ def register(sub, add_sync_options, add_train_options) -> None:
                     "corpus with live progress, then print a summary and write a run directory.",
     )
     p.add_argument("--learners", "-M", type=int, default=4, help="learner processes (4)")
+    p.add_argument("--syncer-shards", type=int, default=1, metavar="N",
+                   help="run N syncer processes, each serving every N-th fragment (1)")
     p.add_argument("--ranks-per-learner", type=int, default=1, metavar="N",
                    help="start each learner as a torchrun job of N ranks (DDP over gloo; 1: one process each)")
     b = p.add_argument_group("budget (default: --duration 120)")

@@ -63,43 +63,55 @@ def with_signal(proc: subprocess.Popen | None, sig: int) -> None:
 
 
 class LocalCluster:
-    """A syncer on fixed ports (so it can be restarted on its state) and learners, optionally behind proxies."""
+    """Syncers on fixed ports (so they can be restarted on their state) — one, or the shards of a sharded syncer,
+    each given its own arguments — and learners, optionally behind proxies (one syncer only)."""
 
-    def __init__(self, out: Path, syncer_args: list[str], learner_args: dict[str, list[str]], proxies: bool = False,
-                 ranks_per_learner: int = 1):
+    def __init__(self, out: Path, syncer_args: list[list[str]], learner_args: dict[str, list[str]],
+                 proxies: bool = False, ranks_per_learner: int = 1):
         self.out = out
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.syncer_cmd = PY + ["syncer", "--listen", f"127.0.0.1:{self.grpc_port}", "--http",
-                                f"127.0.0.1:{self.http_port}", *syncer_args]
+        self.grpc_ports = [free_port() for _ in syncer_args]
+        self.http_ports = [free_port() for _ in syncer_args]
+        self.grpc_port, self.http_port = self.grpc_ports[0], self.http_ports[0]
+        self.syncer_cmds = [PY + ["syncer", "--listen", f"127.0.0.1:{g}", "--http", f"127.0.0.1:{h}", *args]
+                            for g, h, args in zip(self.grpc_ports, self.http_ports, syncer_args)]
         self.proxies = {}
         if proxies:
+            if len(syncer_args) > 1:
+                raise ClusterError("partitions go through a proxy to one syncer: not with syncer shards")
             from diloco.chaos.proxy import ProxyThread
 
             self.proxies = {lid: ProxyThread(f"127.0.0.1:{self.grpc_port}") for lid in learner_args}
+        self.address = ",".join(f"127.0.0.1:{g}" for g in self.grpc_ports)
         self.learner_cmds = {
             lid: learner_launcher(ranks_per_learner) + ["learner", "--syncer", self.proxies[lid].address if lid in self.proxies
-                       else f"127.0.0.1:{self.grpc_port}", "--id", lid, *args]
+                       else self.address, "--id", lid, *args]
             for lid, args in learner_args.items()
         }
-        self.syncer: subprocess.Popen | None = None
+        self.syncers: list[subprocess.Popen | None] = [None] * len(syncer_args)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ready_file = Path(syncer_args[syncer_args.index("--state") + 1]) / "ready.json"
+        self.ready_files = [Path(args[args.index("--state") + 1]) / "ready.json" for args in syncer_args]
+
+    @property
+    def syncer(self) -> subprocess.Popen | None:
+        return self.syncers[0]
 
     def start(self) -> None:
-        self.start_syncer()
+        for shard in range(len(self.syncers)):
+            self.start_syncer(shard)
         for lid in self.learner_cmds:
             self.start_learner(lid)
 
-    def start_syncer(self, timeout: float = 60.0) -> None:
-        self.ready_file.unlink(missing_ok=True)
-        log = self.out / "logs" / "syncer.log"
-        self.syncer = spawn(self.syncer_cmd, log)
+    def start_syncer(self, shard: int = 0, timeout: float = 60.0) -> None:
+        self.ready_files[shard].unlink(missing_ok=True)
+        name = "syncer" if len(self.syncers) == 1 else f"syncer-{shard}"
+        log = self.out / "logs" / f"{name}.log"
+        proc = self.syncers[shard] = spawn(self.syncer_cmds[shard], log)
         deadline = time.monotonic() + timeout
-        while not self.ready_file.exists():
-            if self.syncer.poll() is not None:
-                raise ClusterError(f"the syncer exited with code {self.syncer.returncode} before it was ready; see {log}")
+        while not self.ready_files[shard].exists():
+            if proc.poll() is not None:
+                raise ClusterError(f"the {name} exited with code {proc.returncode} before it was ready; see {log}")
             if time.monotonic() > deadline:
-                raise ClusterError(f"the syncer was not ready after {timeout:.0f}s; see {log}")
+                raise ClusterError(f"the {name} was not ready after {timeout:.0f}s; see {log}")
             time.sleep(0.05)
 
     def start_learner(self, lid: str) -> None:
@@ -109,11 +121,19 @@ class LocalCluster:
         return any(p.poll() is None for p in self.procs.values())
 
     def status(self) -> dict | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=2) as r:
-                return json.loads(r.read())
-        except (OSError, ValueError):
-            return None
+        """The syncer's /status; of shards, one view of them all (run/shards.py), None while one is missing."""
+        statuses = []
+        for port in self.http_ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as r:
+                    statuses.append(json.loads(r.read()))
+            except (OSError, ValueError):
+                return None
+        if len(statuses) == 1:
+            return statuses[0]
+        from diloco.run.shards import combined_status
+
+        return combined_status(statuses)
 
     # ---- what a fault injector may do ---------------------------------------------------------------------
     def _proc(self, target: str) -> subprocess.Popen | None:
@@ -145,6 +165,7 @@ class LocalCluster:
     def shutdown(self) -> None:
         for proc in self.procs.values():
             stop(proc)
-        stop(self.syncer)
+        for proc in self.syncers:
+            stop(proc)
         for proxy in self.proxies.values():
             proxy.stop()

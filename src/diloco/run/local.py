@@ -49,6 +49,8 @@ class Plan:
     fault_timeline: list | None = None
     fault_origin_unix: float | None = None
     """Unix time that the fault schedule's second 0 corresponds to (the first trained tokens)."""
+    syncer_shards: int = 1
+    """Syncer processes, each serving the fragments p with p mod N = i (docs/architecture.md, Sharded syncers)."""
     pace: float | None = None
     """Seconds per step at speed 1 that every learner is padded to (None: unpaced); fixes each learner's capacity."""
 
@@ -73,6 +75,11 @@ def make_plan(args) -> Plan:
         raise ValueError(f"--ranks-per-learner must be at least 1, got {ranks}")
     if ranks > 1 and args.mode == "dp":
         raise ValueError("--ranks-per-learner applies to learners of a syncer; --mode dp runs one process per worker")
+    shards = getattr(args, "syncer_shards", 1)
+    if shards < 1:
+        raise ValueError(f"--syncer-shards must be at least 1, got {shards}")
+    if shards > 1 and args.mode == "dp":
+        raise ValueError("--syncer-shards applies to runs with a syncer; --mode dp has none")
     train = train_config(args)
     if args.model == "tiny":
         train = replace(train, model=TINY)
@@ -98,13 +105,15 @@ def make_plan(args) -> Plan:
         faults = load(args.chaos, duration, [f"learner-{i}" for i in range(args.learners)], train.seed, args.mtbf)
         if args.mode == "dp" and any(f.kind in ("partition", "syncer-crash") for f in faults):
             raise ValueError("data-parallel runs have no syncer link: their scenarios may kill, hang or slow workers")
+        if shards > 1 and any(f.kind in ("partition", "syncer-crash") for f in faults):
+            raise ValueError("scenarios with syncer crashes or partitions take one syncer; drop --syncer-shards")
     pace = parse_pace(getattr(args, "pace", None))
     if pace == "auto" or (pace is None and args.chaos):  # faults: goodput needs capacities that do not move
         pace = auto_pace(train, args.learners * ranks + 1)  # the learners and the syncer (or dp's rank 0 work)
         log.info("pacing every step at %.3f s (speed 1), measured on this machine", pace)
     pace = None if pace == "off" else pace
     return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
-                faults, pace=pace)
+                faults, syncer_shards=shards, pace=pace)
 
 
 def budget_text(plan: Plan) -> str:
@@ -221,7 +230,7 @@ def run_local(args) -> int:
 
 def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None):
     syncer_dir = plan.out / "syncer"
-    syncer_args = ["--state", str(syncer_dir), "--sync-config", str(plan.out / "sync_config.json")]
+    syncer_args = ["--sync-config", str(plan.out / "sync_config.json")]
     if plan.tokens:
         syncer_args += ["--tokens", str(plan.tokens)]
     if plan.duration:
@@ -241,15 +250,19 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
         if plan.pace:
             learner_args[lid] += ["--pace", str(plan.pace)]
     faults = chaos or []
-    cluster = LocalCluster(plan.out, syncer_args, learner_args, proxies=any(f.kind == "partition" for f in faults),
+    n = plan.syncer_shards
+    shard_dirs = [syncer_dir] if n == 1 else [syncer_dir / f"shard-{i}" for i in range(n)]
+    per_shard = [["--state", str(d), *syncer_args, *([] if n == 1 else ["--shard", f"{i}/{n}"])]
+                 for i, d in enumerate(shard_dirs)]
+    cluster = LocalCluster(plan.out, per_shard, learner_args, proxies=any(f.kind == "partition" for f in faults),
                            ranks_per_learner=plan.ranks_per_learner)
     injector = Injector(faults, cluster)
     try:
         cluster.start()
         if progress.enabled:
             progress.console.print(
-                f"syncer on 127.0.0.1:{cluster.grpc_port}; add a learner with `diloco learner --syncer "
-                f"127.0.0.1:{cluster.grpc_port} --id NAME --train-config {plan.out / 'train_config.json'}`, "
+                f"syncer{' shards' if n > 1 else ''} on {cluster.address}; add a learner with `diloco learner "
+                f"--syncer {cluster.address} --id NAME --train-config {plan.out / 'train_config.json'}`, "
                 "remove one with SIGTERM")
         started = None  # fault times count from the first trained tokens, not from process start-up
         with progress:
@@ -274,9 +287,14 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
     finally:
         cluster.shutdown()
     learners = collect_summaries(plan, cluster.procs)
-    syncer_path = syncer_dir / "syncer.json"
-    if not syncer_path.exists():
-        raise RunFailed(f"the syncer wrote no final state; see {plan.out / 'logs' / 'syncer.log'}")
-    source = json.loads(syncer_path.read_text())
+    for i, d in enumerate(shard_dirs):
+        if not (d / "syncer.json").exists():
+            name = "syncer" if n == 1 else f"syncer-{i}"
+            raise RunFailed(f"the {name} wrote no final state; see {plan.out / 'logs' / (name + '.log')}")
+    if n > 1:  # the shards' outputs as one syncer's, where the report reads them
+        from diloco.run.shards import combine_outputs
+
+        combine_outputs(shard_dirs, syncer_dir)
+    source = json.loads((syncer_dir / "syncer.json").read_text())
     source["faults"] = injector.timeline
     return learners, source
