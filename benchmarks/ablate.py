@@ -106,10 +106,15 @@ def main() -> None:
     total = len(configs) * len(seeds) * len(args.settings.split(","))
     console.print(f"{total} runs of {args.duration:g} s, paced at {args.pace:.3f} s per step")
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "settings": {}}
+    if args.json and args.json.exists():  # resume a sweep that stopped: its finished configurations stay
+        results["settings"] = json.loads(args.json.read_text()).get("settings", {})
     done = 0
     for setting in args.settings.split(","):
-        rows = results["settings"][setting] = {}
+        rows = results["settings"].setdefault(setting, {})
         for name, flags in configs.items():
+            if name in rows:
+                done += len(seeds)
+                continue
             runs = []
             for seed in seeds:
                 tag = f"{setting}-{name.replace(' ', '').replace('−', '-minus-').replace('+', '-plus-')}-s{seed}"
