@@ -81,3 +81,11 @@ def test_chunked_coding_matches_whole_and_differences_are_encoded_without_materi
     torch.testing.assert_close(target, b + codec.decode(whole), rtol=0, atol=0)
     with pytest.raises(codec.CorruptPayload):
         codec.decode_add(whole, torch.zeros(999))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_finds_any_nan_or_inf(bad):
+    x = torch.randn(1000)
+    assert codec.all_finite(x) and codec.all_finite(torch.zeros(0))
+    x[537] = bad
+    assert not codec.all_finite(x)

@@ -172,7 +172,7 @@ class SyncerCore:
         if len(flats) != len(layout) or any(f.numel() != fr.numel for f, fr in zip(flats, layout) if self.owns(fr.index)):
             raise Refused("initial parameters do not match the model's fragment layout")
         for fr, f in zip(layout, flats):
-            if self.owns(fr.index) and not torch.isfinite(f).all():
+            if self.owns(fr.index) and not codec.all_finite(f):
                 raise Refused(f"initial values of fragment {fr.index} contain NaN or Inf")
         fragments = [self._state_for(fr, f) for fr, f in zip(layout, flats)]
         with self.lock:
@@ -369,7 +369,7 @@ class SyncerCore:
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
         staleness = fs.version - base_version
-        per_step = fs.guard.per_step(delta.norm(dtype=torch.float64).item(), steps) if fs.guard else 0.0
+        per_step = fs.guard.per_step(delta.norm().item(), steps) if fs.guard else 0.0
         fragment_norm = self._fragment_norm(fs) if fs.guard else 0.0
         with self.lock:
             if staleness < 0 or staleness > self.cfg.max_staleness:
@@ -425,14 +425,14 @@ class SyncerCore:
             delta = codec.decode(payload)
         except (codec.CorruptPayload, ValueError) as e:
             raise Refused(f"corrupt payload: {e}") from None
-        if not torch.isfinite(delta).all():
+        if not codec.all_finite(delta):
             raise Refused("non-finite values: the outer gradient contains NaN or Inf")
         return delta
 
     def _fragment_norm(self, fs: FragmentState) -> float:
         """‖P_v‖ of the fragment's current version (core worker: rounds change it only there)."""
         if fs.norm_at is None or fs.norm_at[0] != fs.version:
-            fs.norm_at = (fs.version, fs.values.norm(dtype=torch.float64).item())
+            fs.norm_at = (fs.version, fs.values.norm().item())
         return fs.norm_at[1]
 
     def payload_limit(self, fragment: int, codec_name: str) -> int:

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from diloco.atomic import fsync_dir, save_tensors, write_bytes, write_json
+from diloco.codec import all_finite
 
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.prev.json"
@@ -208,7 +209,7 @@ class StateStore:
             except Exception as e:  # noqa: BLE001 (safetensors' own error type)
                 raise Damaged(name, f"not a readable safetensors file ({e})") from None
             for tname, t in tensors.items():
-                if t.is_floating_point() and not torch.isfinite(t).all():
+                if t.is_floating_point() and not all_finite(t):
                     raise Damaged(name, f"tensor {tname!r} contains NaN or Inf")
             fragments[int(key.split("-")[1])] = tensors
         loaded = Loaded(ledger, fragments, manifest["generation"], dict(files))

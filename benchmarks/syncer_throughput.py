@@ -1,0 +1,131 @@
+"""How fast the syncer merges contributions and makes a round durable, against this machine's own limits.
+
+- merge: GB/s of fp32 contributions folded into a round's running sums (StreamingMerge, RDA and mean), and of
+  whole pushes through SyncerCore (int4 decoding, validation and folding), against memcpy GB/s measured in the
+  same run (a tensor copy of the same size);
+- durability: seconds to write one round's state (Θ, momentum and the pending Δ of one fragment, fsynced, plus
+  the ledger and manifest) for a model of --params parameters in --fragments fragments, against the disk's
+  sequential write rate measured in the same folder.
+
+    python benchmarks/syncer_throughput.py --numel 16000000 --params 1e9 --fragments 24 --json runs/throughput.json
+
+Figures are medians of --repeats runs; the machine is shared, so compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from diloco import codec
+from diloco.config import SyncConfig
+from diloco.fragments import TensorSpec
+from diloco.merge import StreamingMerge
+from diloco.syncer.core import FragmentState, SyncerCore
+from diloco.syncer.store import StateStore
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def merge_figures(numel: int, learners: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    deltas = [torch.randn(numel) * 1e-3 for _ in range(learners)]
+    target = torch.empty(numel)
+    gb = numel * 4 / 1e9
+    out = {"numel": numel, "learners": learners, "memcpy_gb_per_s": gb / median_seconds(lambda: target.copy_(deltas[0]), repeats)}
+    segments = [(numel // 2, False), (numel - numel // 2, False)]
+    for method in ("rda", "mean"):
+        def fold():
+            merge = StreamingMerge(segments, method)
+            for d in deltas:
+                merge.add(d, 1.0)
+            merge.result()
+        out[f"merge_{method}_gb_per_s"] = gb * learners / median_seconds(fold, repeats)
+    # whole pushes: decode int4, validate, fold (what a push costs the core worker)
+    specs = [TensorSpec("w", (numel,), "float32")]
+    core = SyncerCore(SyncConfig(fragments=1, codec="int4", down_codec="int8", grace=0.0, quorum=learners))
+    core.initialize(specs, [torch.randn(numel)])
+    sessions = [core.join(f"l{i}", specs) for i in range(learners)]
+    payloads = [codec.encode(d, "int4") for d in deltas]
+    seq = [0]
+
+    def pushes():
+        seq[0] += 1
+        for i, (session, payload) in enumerate(zip(sessions, payloads)):
+            assert core.push(f"l{i}", session, seq[0], 0, core.fragments[0].version, 24, 24 * 1024, payload).accepted
+        core.poll(force=True)
+    out["push_int4_gb_per_s"] = gb * learners / median_seconds(pushes, repeats)  # fp32 GB of contributions merged
+    for key in ("merge_rda_gb_per_s", "merge_mean_gb_per_s", "push_int4_gb_per_s"):
+        out[key.replace("_gb_per_s", "_vs_memcpy")] = out[key] / out["memcpy_gb_per_s"]
+    return out
+
+
+def durability_figures(params: float, fragments: int, folder: Path, repeats: int) -> dict:
+    numel = int(params // fragments)
+    theta, momentum = torch.randn(numel), torch.zeros(numel)
+    spec = [TensorSpec("w", (numel,), "float32")]
+    core = SyncerCore(SyncConfig(fragments=1), store=StateStore(folder))
+    core.initialize(spec, [theta])  # writes generation 1
+    fs: FragmentState = core.fragments[0]
+    fs.momentum = momentum
+
+    def round_write():
+        fs.version += 1
+        core.persist([0])
+    seconds = median_seconds(round_write, repeats)
+    # the disk's sequential rate in the same folder, fsynced, for the same bytes
+    raw = theta.numpy().tobytes()
+    path = folder / "raw.bin"
+
+    def raw_write():
+        with open(path, "wb") as f:
+            for _ in range(3):  # Θ, momentum, pending Δ
+                f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+    raw_seconds = median_seconds(raw_write, repeats)
+    path.unlink()
+    written = 3 * numel * 4
+    return {"params": params, "fragments": fragments, "fragment_numel": numel, "bytes_per_round": written,
+            "round_write_seconds": seconds, "disk_write_seconds": raw_seconds,
+            "round_write_gb_per_s": written / seconds / 1e9, "disk_gb_per_s": written / raw_seconds / 1e9,
+            "rounds_per_second": 1 / seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--numel", type=int, default=16_000_000, help="values per merged fragment (64 MB in fp32)")
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--params", type=float, default=1e9, help="model size for the durability figures")
+    p.add_argument("--fragments", "-P", type=int, default=24)
+    p.add_argument("--state", type=Path, help="folder for the durability figures (default: a temporary one)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(1)  # the core worker is one thread
+    merge = merge_figures(args.numel, args.learners, args.repeats)
+    print(json.dumps(merge, indent=1))
+    with tempfile.TemporaryDirectory(dir=args.state) as folder:
+        durability = durability_figures(args.params, args.fragments, Path(folder), max(3, args.repeats // 2))
+    print(json.dumps(durability, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"merge": merge, "durability": durability}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
