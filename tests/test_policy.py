@@ -37,10 +37,16 @@ def test_absent_learners_are_ignored():
     assert d.close  # c is absent: nobody left to wait for
 
 
-def test_quorum_of_all_never_closes_without_everyone():
+def test_quorum_of_all_never_closes_without_every_live_learner():
     cfg = PolicyConfig(quorum=3, overlap=0, grace=0.0)
     assert not decide(state("a", "b"), LIVE, Averages(), now=1e9, cfg=cfg).close
     assert decide(state("a", "b", "c"), LIVE, Averages(), now=0.0, cfg=cfg).close
+
+
+def test_a_dead_learner_does_not_hold_a_quorum_of_all():
+    cfg = PolicyConfig(quorum=3, overlap=0, grace=0.0)  # K = M: synchronous DiLoCo
+    d = decide(state("a", "b"), frozenset({"a", "b"}), Averages(), now=0.0, cfg=cfg)  # c absent or gone
+    assert d.close and d.reason == "every live learner contributed"
 
 
 def test_adaptive_grace_uses_only_the_overlap_slack():

@@ -508,3 +508,16 @@ def test_publishing_to_live_learners_sends_the_round_unasked_to_those_that_did_n
     pubs = core.poll()
     assert sorted((p.learner, p.seq, p.full) for p in pubs) == [("a", 1, True), ("b", 0, True)]
     assert core.learners["b"].versions[1] == core.fragments[1].version
+
+
+def test_synchronous_rounds_go_on_without_a_learner_absent_past_the_timeout():
+    core, clock = make_core(learners=3, quorum=3)  # K = all, as in the synchronous modes
+    sessions = {lid: core.join(lid, SPECS) for lid in "abc"}
+    assert core.cfg.quorum == 3
+    for lid in "ab":
+        assert push(core, lid, sessions[lid], 1, fragment=0).accepted
+    assert core.poll() == []  # c is live: a quorum of all waits for it
+    clock.now += core.cfg.absent_after_seconds + 1  # c was killed: silent past the absence timeout
+    for lid in "ab":
+        core.heartbeat(lid, sessions[lid], step=1)
+    assert {p.learner for p in core.poll()} == {"a", "b"}  # the survivors' round closed

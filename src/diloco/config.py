@@ -36,7 +36,8 @@ class SyncConfig:
     overlap: int = 2
     """τ: inner steps between pushing a fragment and applying the merged one (communication hides behind them)."""
     quorum: int = 1
-    """K: distinct learners a round needs before it may close."""
+    """K: distinct learners a round needs before it may close; fewer when fewer are live (a learner absent for
+    absent_after_seconds, or gone, does not hold the others' rounds, even with K = all)."""
     wait_for_merge: bool = False
     """Block the training thread when a merged fragment is due but has not arrived (streaming, diloco)."""
     grace: float | None = None

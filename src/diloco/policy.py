@@ -13,7 +13,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PolicyConfig:
     quorum: int
-    """K: distinct learners a round needs before it may close."""
+    """K: distinct learners a round needs before it may close — or every live learner, when fewer are live (a
+    learner absent for absent_after_seconds, or gone, no longer holds the others' rounds)."""
     overlap: int
     """τ: steps a learner trains between pushing a fragment and applying the merged one."""
     grace: float | None = None
@@ -88,11 +89,11 @@ def decide(state: RoundState, live: frozenset[str], avg: Averages, now: float, c
     count = len(state.contributors)
     if count == 0:
         return Decision(False, "empty")
+    quorum_at = state.quorum_at if state.quorum_at is not None else now
+    if live <= state.contributors:  # also below K: a quorum cannot count learners that are gone (absent or left)
+        return Decision(True, "every live learner contributed", quorum_at=quorum_at)
     if count < cfg.quorum:
         return Decision(False, f"waiting for quorum ({count}/{cfg.quorum})")
-    quorum_at = state.quorum_at if state.quorum_at is not None else now
-    if live <= state.contributors:
-        return Decision(True, "every live learner contributed", quorum_at=quorum_at)
     deadline = quorum_at + grace_seconds(avg, cfg)
     awaited = expected_until(state, live, avg, cfg, expected or {})
     if awaited is not None and awaited > deadline:
