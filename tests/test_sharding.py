@@ -152,3 +152,17 @@ def test_learners_train_against_two_shards_and_one_dying_stops_only_its_fragment
     assert set(parts[0]).isdisjoint(parts[1])
     fresh = small_lm(seed=5)
     fresh.load_state_dict({**parts[0], **parts[1]}, strict=True)
+
+
+def test_shard_addresses_out_of_order_are_refused_with_what_to_check(tmp_path):
+    from diloco import Learner, ShardedTransport, SyncerError
+
+    shards = sharded_run(tmp_path)
+    try:
+        first = Learner(small_lm(), ShardedTransport([s.address for s in shards]), "a")  # sets the model
+        with pytest.raises(SyncerError, match="as shards 0..1 in this order.*check each syncer's --shard"):
+            Learner(small_lm(), ShardedTransport([s.address for s in reversed(shards)], connect_timeout=5), "b")
+        first.close()
+    finally:
+        for s in shards:
+            s.stop()

@@ -28,7 +28,20 @@ class ShardedTransport:
         return self.shards[fragment % len(self.shards)]
 
     def join(self, learner_id: str, specs: list[TensorSpec], initial) -> JoinInfo:
-        infos = [shard.join(learner_id, specs, initial) for shard in self.shards]
+        infos = []
+        try:
+            for shard in self.shards:
+                infos.append(shard.join(learner_id, specs, initial))
+            return self._joined(infos)
+        except SyncerError:
+            for shard in self.shards[: len(infos)]:  # leave the shards it joined: no session left behind
+                try:
+                    shard.close(timeout=shard.rpc_timeout)
+                except SyncerError:
+                    pass
+            raise
+
+    def _joined(self, infos: list[JoinInfo]) -> JoinInfo:
         first = infos[0]
         for i, info in enumerate(infos[1:], 1):
             if info.config != first.config:
