@@ -444,17 +444,18 @@ class GrpcTransport(HeartbeatNews):
         self.error = SyncerError(message)
 
     # ---- Transport interface ------------------------------------------------------------------------------
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise the error that ended this transport, if one did."""
         if self.error is not None:
             raise self.error
 
     def push(self, job: PushJob) -> None:
-        self._check()
+        self.check()
         self._inflight[job.fragment] = job
         self._enqueue(job)
 
     def arrivals(self, timeout: float | None = None) -> list[Arrival]:
-        self._check()
+        self.check()
         return self.receiver.drain(timeout)
 
     def report(self, **progress) -> None:

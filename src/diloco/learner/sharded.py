@@ -65,7 +65,7 @@ class ShardedTransport:
 
     def arrivals(self, timeout: float | None = None) -> list[Arrival]:
         for shard in self.shards:
-            shard._check()
+            shard.check()
         return self.receiver.drain(timeout)
 
     def report(self, **progress) -> None:
