@@ -35,9 +35,9 @@ def push(core, lid, session, seq, fragment=1, value=0.5):
                      codec.encode(torch.full((n,), value), "fp32"))
 
 
-def run(folder, rounds=3):
+def run(folder, rounds=3, **overrides):
     """A core that initialised and closed `rounds` rounds of fragment 1 (one generation per round)."""
-    core = make_core(folder)
+    core = make_core(folder, **overrides)
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     session = core.join("a", SPECS)
     for seq in range(1, rounds + 1):
@@ -76,7 +76,7 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_the_way_out(tmp_path):
 
 
 def test_nan_momentum_is_refused_even_with_a_matching_hash(tmp_path):
-    run(tmp_path)
+    run(tmp_path, outer_momentum=0.9)  # momentum is written only where it can move Θ
     name = manifest(tmp_path)["files"]["fragment-1"]
     tensors = load_file(str(tmp_path / name))
     tensors["momentum"][2] = float("nan")

@@ -64,8 +64,8 @@ def test_a_crash_at_any_write_step_leaves_a_consistent_loadable_state(tmp_path, 
     assert torch.equal(loaded.fragments[1]["theta"], torch.full((3,), float(v)))  # ledger and tensors agree
 
 
-def make_core(store, clock_value=100.0):
-    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0)
+def make_core(store, clock_value=100.0, **overrides):
+    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0, **overrides)
     return SyncerCore(cfg, clock=lambda: clock_value, store=store)
 
 
@@ -76,7 +76,7 @@ def push(core, lid, session, seq, fragment=1, value=0.5):
 
 
 def test_restarted_core_resumes_exactly_and_merges_each_push_at_most_once(tmp_path):
-    core = make_core(StateStore(tmp_path))
+    core = make_core(StateStore(tmp_path), outer_momentum=0.9)  # momentum in use: it must come back exactly
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     sa, sb = core.join("a", SPECS), core.join("b", SPECS)
     for seq in (1, 2, 3):
@@ -84,7 +84,7 @@ def test_restarted_core_resumes_exactly_and_merges_each_push_at_most_once(tmp_pa
         push(core, "b", sb, seq, value=0.25)
         core.poll()
     push(core, "a", sa, 4)  # admitted but not merged when the syncer dies: lost with it
-    restarted = make_core(StateStore(tmp_path))
+    restarted = make_core(StateStore(tmp_path), outer_momentum=0.9)
     assert restarted.restore()
     for a, b in zip(core.fragments, restarted.fragments):
         assert a.version == b.version and torch.equal(a.theta, b.theta) and torch.equal(a.momentum, b.momentum)
@@ -108,3 +108,20 @@ def test_history_beyond_the_restored_state_is_dropped(tmp_path):
     restarted = make_core(StateStore(tmp_path))
     assert restarted.restore()
     assert [e[2] for e in restarted.round_log] == [1] and StateStore(tmp_path).rounds(10) == [tuple(restarted.round_log[0])]
+
+
+def test_without_outer_momentum_only_theta_is_written_and_the_run_resumes_alike(tmp_path):
+    core = make_core(StateStore(tmp_path))  # decoupled: μ = 0
+    core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
+    sa = core.join("a", SPECS)
+    for seq in (1, 2):
+        push(core, "a", sa, seq)
+        core.poll()
+    stored = StateStore(tmp_path).load().fragments[1]
+    assert stored["momentum"].numel() == 0 and stored["pending_delta"].numel() == 0  # a third of the bytes
+    restarted = make_core(StateStore(tmp_path))
+    assert restarted.restore()
+    for c in (core, restarted):  # the same next round on both: μ = 0 makes the momentum irrelevant
+        push(c, "a", sa, 3, value=0.75)
+        c.poll()
+    assert torch.equal(core.fragments[1].theta, restarted.fragments[1].theta)

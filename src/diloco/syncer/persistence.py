@@ -36,6 +36,15 @@ def ledger(core) -> dict:
     }
 
 
+EMPTY = torch.zeros(0)
+
+
+def outer_state_needed(cfg: SyncConfig) -> bool:
+    """Whether the outer momentum (and the delayed-momentum sum) can still move Θ: not with μ = 0, decoupled
+    mode's default, where v ← Δ is multiplied by μ before it is ever used."""
+    return cfg.outer_momentum != 0
+
+
 def persist(core, changed) -> None:
     """Write the ledger and the `changed` fragments (and any a failed write left unsaved).
 
@@ -50,8 +59,12 @@ def persist(core, changed) -> None:
     tensors = {}
     for i in sorted(todo):
         fs = core.fragments[i]
-        pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.momentum)
-        tensors[i] = (fs.version, {"theta": fs.theta, "momentum": fs.momentum, "pending_delta": pending})
+        if outer_state_needed(core.cfg):
+            pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.momentum)
+            momentum = fs.momentum
+        else:  # with μ = 0 neither ever moves Θ again: only Θ is written, a third of the bytes
+            momentum = pending = EMPTY
+        tensors[i] = (fs.version, {"theta": fs.theta, "momentum": momentum, "pending_delta": pending})
     try:
         core.store.save(ledger(core), tensors)
     except OSError as e:
@@ -101,7 +114,7 @@ def check(loaded: Loaded) -> None:
     """What the ledger implies of the fragment files: one per fragment, at the ledger's version (file names carry
     it), with the tensors and shapes of that fragment. Raises Damaged naming the file."""
     led, ledger_name = loaded.ledger, loaded.files["ledger"]
-    _, _, layout = _parse(led, ledger_name)
+    cfg, _, layout = _parse(led, ledger_name)
     versions = led["versions"]
     shard, shards = _shard(led, ledger_name)
     if not isinstance(versions, list) or len(versions) != len(layout) or len(led["pending_share"]) != len(layout):
@@ -123,7 +136,8 @@ def check(loaded: Loaded) -> None:
         if missing:
             raise Damaged(name, f"lacks tensors {sorted(missing)}")
         n = fragment.numel
-        expected = {"theta": (n,), "momentum": (n,) if fragment.role == "params" else (0,)}
+        outer = fragment.role == "params" and outer_state_needed(cfg)
+        expected = {"theta": (n,), "momentum": (n,) if outer else (0,)}
         expected["pending_delta"] = expected["momentum"]
         for key, shape in expected.items():
             if tuple(t[key].shape) != shape:
@@ -155,8 +169,11 @@ def restore(core) -> bool:
             core.fragments.append(FragmentState(fragment, torch.zeros(0), torch.zeros(0), led["versions"][i]))
             continue
         t = loaded.fragments[i]
-        fs = FragmentState(fragment, t["theta"], t["momentum"], led["versions"][i], guard=core.norm_guard(fragment))
-        fs.pending_delta, fs.pending_share = t["pending_delta"], led["pending_share"][i]
+        momentum, pending = t["momentum"], t["pending_delta"]
+        if fragment.role == "params" and not outer_state_needed(stored_cfg):  # not written: zeros again
+            momentum, pending = torch.zeros_like(t["theta"]), None
+        fs = FragmentState(fragment, t["theta"], momentum, led["versions"][i], guard=core.norm_guard(fragment))
+        fs.pending_delta, fs.pending_share = pending, led["pending_share"][i]
         core.fragments.append(fs)
     core.rounds, core.refusals = led["rounds"], led["refusals"]
     # a crash between appending a round's line and persisting the round leaves a line for a version that was
