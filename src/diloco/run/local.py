@@ -75,6 +75,7 @@ def make_plan(args) -> Plan:
         raise ValueError(f"--ranks-per-learner must be at least 1, got {ranks}")
     if ranks > 1 and args.mode == "dp":
         raise ValueError("--ranks-per-learner applies to learners of a syncer; --mode dp runs one process per worker")
+    pace = parse_pace(getattr(args, "pace", None))  # before anything is written: a bad value leaves no run folder
     shards = getattr(args, "syncer_shards", 1)
     if shards < 1:
         raise ValueError(f"--syncer-shards must be at least 1, got {shards}")
@@ -107,7 +108,6 @@ def make_plan(args) -> Plan:
             raise ValueError("data-parallel runs have no syncer link: their scenarios may kill, hang or slow workers")
         if shards > 1 and any(f.kind in ("partition", "syncer-crash") for f in faults):
             raise ValueError("scenarios with syncer crashes or partitions take one syncer; drop --syncer-shards")
-    pace = parse_pace(getattr(args, "pace", None))
     if pace == "auto" or (pace is None and args.chaos):  # faults: goodput needs capacities that do not move
         pace = auto_pace(train, args.learners * ranks + 1)  # the learners and the syncer (or dp's rank 0 work)
         log.info("pacing every step at %.3f s (speed 1), measured on this machine", pace)
