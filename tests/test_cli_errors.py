@@ -35,6 +35,12 @@ def run_cli(capsys, *argv):
     (["run", "--mode", "dp", "--chaos", "syncer-crash"], "data-parallel runs have no syncer link"),
     (["run", "--chaos", "random", "--mtbf", "0"], "--mtbf must be positive"),
     (["run", "--lr-decay", "1.5"], "--lr-decay must be between 0 and 1"),
+    (["run", "--pace", "-1"], "--pace must be a positive number of seconds, auto or off"),
+    (["run", "--syncer-shards", "0"], "--syncer-shards must be at least 1"),
+    (["run", "--syncer-shards", "2", "--chaos", "syncer-crash"], "take one syncer; drop --syncer-shards"),
+    (["run", "--publish-to", "live"], "--publish-to live needs --down-codec fp32"),
+    (["syncer", "--shard", "2/2"], "need 0 ≤ I < N"),
+    (["learner", "--syncer", "127.0.0.1:1,nohost", "--id", "x"], "expected HOST:PORT, got 'nohost'"),
 ])
 def test_bad_flags_are_refused_clearly(capsys, tmp_path, argv, message):
     code, err = run_cli(capsys, *argv, "--out", str(tmp_path / "run")) if argv[0] == "run" else run_cli(capsys, *argv)
