@@ -264,6 +264,7 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
                 f"syncer{' shards' if n > 1 else ''} on {cluster.address}; add a learner with `diloco learner "
                 f"--syncer {cluster.address} --id NAME --train-config {plan.out / 'train_config.json'}`, "
                 "remove one with SIGTERM")
+            progress.console.print("dashboard: " + ", ".join(f"http://127.0.0.1:{p}/" for p in cluster.http_ports))
         started = None  # fault times count from the first trained tokens, not from process start-up
         with progress:
             while True:

@@ -48,6 +48,7 @@ def check_learner_id(learner_id: str) -> str:
 
 DEPARTED_KEPT = 4096
 """Records of learners that left or are absent kept at most (oldest forgotten first): ids cost memory."""
+RECENT_ROUNDS = 300
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 
 
@@ -130,6 +131,8 @@ class SyncerCore:
         self.started_unix = time.time()  # only to line reports up with other processes' logs
         self.round_log: deque[tuple[float, int, int, int]] = deque(maxlen=ROUND_LOG_KEPT)
         """(seconds since start, fragment, version, contributors) of every closed round."""
+        self.recent_rounds: deque[tuple[float, int, int, int]] = deque(maxlen=RECENT_ROUNDS)
+        """The latest of them, for /status and the dashboard (a copy of all would be costly twice a second)."""
         self.refusals: dict[str, int] = {}
         self.stopping = False
         self._outbox: list[Publication] = []
@@ -386,6 +389,7 @@ class SyncerCore:
             if fs.guard:
                 fs.guard.accept(learner_id, per_step)
             record.pushes += 1
+            record.staleness = staleness
             if transfer_seconds:
                 self.sync_avg.update(transfer_seconds)
             repeated = learner_id in fs.pending
@@ -560,6 +564,7 @@ class SyncerCore:
                 record.data_position = max(record.data_position, c.data_position)  # where merged work ended
             entry = (round(self.clock() - self.started_at, 4), index, fs.version, len(contributions))
             self.round_log.append(entry)
+            self.recent_rounds.append(entry)
         # ---- disk and encoding, without the lock (only the worker adds learners or changes fragments)
         if self.store is not None:
             self.store.append_round(entry)
@@ -631,4 +636,6 @@ class SyncerCore:
                 "refusals": dict(self.refusals),
                 "merge_seconds": dict(self.merge_stats),
                 "learners": [r.summary(now, self.cfg.absent_after_seconds) for r in self.learners.values()],
+                "recent_rounds": list(self.recent_rounds),
+                "budget_progress": self.budget_progress(),
             }

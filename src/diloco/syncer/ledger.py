@@ -32,6 +32,8 @@ class LearnerRecord:
     step_time: MovingAverage = field(default_factory=MovingAverage)
     contribution_tokens: MovingAverage = field(default_factory=MovingAverage)
     """Typical tokens per merged contribution: how much a round misses when this learner is not in it."""
+    staleness: int = 0
+    """Versions its latest accepted contribution was behind the fragment it was merged into."""
     last_push: tuple[float, int] | None = None
     """(clock time, fragment) of its latest push: its phase in the push schedule."""
     versions: dict[int, int] = field(default_factory=dict)
@@ -64,4 +66,6 @@ class LearnerRecord:
             "tokens_per_second": self.tokens_per_second,
             "pushes": self.pushes, "merged": self.merged, "refused": self.refused, "applied": self.applied,
             "speed": self.speed, "step_seconds": self.step_time.value, "last_seen_ago": round(now - self.last_seen, 3),
+            "staleness": self.staleness,
+            "last_push_ago": None if self.last_push is None else round(now - self.last_push[0], 3),
         }

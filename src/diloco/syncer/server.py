@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
 from pathlib import Path
 
 import grpc
@@ -149,6 +150,11 @@ def _write_final(out: Path, name: str, write, fallback: list[Path]) -> Path | No
     return fallback[0] / name
 
 
+def dashboard_html() -> bytes:
+    """The live dashboard: one self-contained page that polls /status (no build step, nothing fetched elsewhere)."""
+    return resources.files("diloco.syncer").joinpath("dashboard.html").read_bytes()
+
+
 def _http_server(address: str, service: SyncerService, status: dict, tokens: list[str]) -> ThreadingHTTPServer:
     host, port = address.rsplit(":", 1)
 
@@ -165,12 +171,15 @@ def _http_server(address: str, service: SyncerService, status: dict, tokens: lis
                 self.end_headers()
                 self.wfile.write(body)
                 return
-            if self.path.startswith("/metrics"):
+            path = self.path.split("?", 1)[0]
+            if path.startswith("/metrics"):
                 body, kind = service.metrics.exposition(), "text/plain; version=0.0.4"
-            elif self.path.startswith("/status"):
+            elif path.startswith("/status"):
                 body, kind = status_json(status), "application/json"
+            elif path in ("/", "/dashboard"):
+                body, kind = dashboard_html(), "text/html; charset=utf-8"
             else:
-                self.send_error(404, "try /status or /metrics")
+                self.send_error(404, "try / (the dashboard), /status or /metrics")
                 return
             self.send_response(200)
             self.send_header("Content-Type", kind)
@@ -225,6 +234,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
     log.info("syncer listening on %s (gRPC port %d%s, HTTP %s), mode %s", opts.listen, port,
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)
+    if http:
+        log.info("dashboard: http://%s:%d/", opts.http.rsplit(":", 1)[0].strip("[]"), http.server_address[1])
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         write_json(opts.out / "ready.json", ready, indent=2)

@@ -1,0 +1,82 @@
+"""The syncer's dashboard at / : one self-contained page over /status, which carries what its panels show."""
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import torch
+from torch import nn
+
+from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
+from liveness import wait_for
+
+
+def get(port: int, path: str):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+        return r.headers.get("Content-Type"), r.read().decode()
+
+
+STAND_IN = """
+const elements = {};
+globalThis.document = { getElementById: (id) => (elements[id] = elements[id] || { id, textContent: "", innerHTML: "",
+                                                                             clientWidth: 400, clientHeight: 160 }) };
+globalThis.fetch = async () => ({ ok: true, json: async () => STATUS });
+globalThis.setTimeout = () => {};  // one poll
+"""
+
+
+def render_in_node(page: str, status: dict) -> dict[str, str]:
+    """Runs the dashboard's script once under node on `status`; returns each element's shown text or markup."""
+    script = page.split("<script>", 1)[1].split("</script>", 1)[0]
+    program = (f"const STATUS = {json.dumps(status)};" + STAND_IN + script +
+               "\nsetImmediate(() => console.log(JSON.stringify(Object.fromEntries(Object.entries(elements)"
+               ".map(([k, v]) => [k, v.innerHTML || v.textContent])))));")
+    out = subprocess.run(["node", "-e", program], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
+                          ServerOptions(listen="127.0.0.1:0", http="127.0.0.1:0", duration=600))
+    try:
+        port = syncer.status["http_port"]
+        kind, page = get(port, "/")
+        assert kind.startswith("text/html") and get(port, "/dashboard")[1] == page
+        assert 'fetch("status"' in page  # relative: works behind a path prefix and through an SSH tunnel
+        assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing loaded from elsewhere (no CDN)
+        for panel in ("learners", "versions", "participation", "tokens", "loss", "timing", "refusals"):
+            assert f'id="{panel}"' in page
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(12):
+            x = torch.randint(0, 16, (4, 4))
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            learner.step(x.numel(), loss=loss.item())
+            time.sleep(0.02)
+        def shown():
+            s = json.loads(get(port, "/status")[1])
+            return s["recent_rounds"] and all(x["loss"] is not None for x in s["learners"])
+        wait_for(shown, timeout=20)  # rounds close and heartbeats carry the loss behind the training thread
+        status = json.loads(get(port, "/status")[1])
+        t, fragment, version, contributors = status["recent_rounds"][-1]
+        assert 0 <= fragment < 2 and version >= 1 and contributors == 1
+        entry = next(x for x in status["learners"] if x["id"] == "a")
+        assert entry["staleness"] >= 0 and entry["last_push_ago"] is not None and entry["loss"] is not None
+        assert 0 < status["budget_progress"] < 1  # of the 600 s duration
+        if shutil.which("node"):  # the page's script, run on this status with a stand-in for the browser's DOM
+            shown = render_in_node(page, status)
+            assert '<td>a</td><td class="live">live</td>' in shown["learners"]
+            assert shown["versions"].count("<rect") == 2 and "<path" in shown["participation"]
+            assert "<path" in shown["loss"] and "healthy" in shown["health"] and shown["error"] == ""
+        learner.close()
+    finally:
+        syncer.stop()
