@@ -1,9 +1,10 @@
-"""The `diloco` command line: run, syncer, learner, simulate."""
+"""The `diloco` command line: run, syncer, learner, inspect, simulate."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
@@ -133,6 +134,50 @@ def address(text: str) -> str:
 
 def addresses(text: str) -> list[str]:
     return [address(part.strip()) for part in text.split(",")]
+
+
+def cmd_inspect(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from diloco.syncer.tape import read, summarise
+
+    if not args.tape.exists():
+        raise UserError(f"no tape at {args.tape}: a syncer started with --state DIR writes DIR/tape.jsonl")
+    summary = summarise(read(args.tape))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    console = Console()
+    console.print(f"{summary['events']:,} events over {summary['seconds']:,.0f} s: {summary['rounds']:,} rounds, "
+                  f"{summary['joins']} joins, {summary['leaves']} leaves")
+    t = Table(title="contributors per round", title_justify="left")
+    t.add_column("contributors", justify="right")
+    t.add_column("rounds", justify="right")
+    for n, count in summary["contributors_per_round"].items():
+        t.add_row(str(n), f"{count:,}")
+    console.print(t)
+    t = Table(title="per fragment", title_justify="left")
+    for col in ("fragment", "rounds", "mean contributors", "measured H (steps per contribution)"):
+        t.add_column(col, justify="right")
+    for p, f in summary["fragments"].items():
+        t.add_row(str(p), f"{f['rounds']:,}", f"{f['mean_contributors']:.2f}", f"{f['measured_h']:.1f}")
+    console.print(t)
+    t = Table(title="staleness of merged contributions (versions behind)", title_justify="left")
+    t.add_column("staleness", justify="right")
+    t.add_column("contributions", justify="right")
+    for s, count in summary["staleness"].items():
+        t.add_row(str(s), f"{count:,}")
+    console.print(t)
+    for key, title in (("round_open_seconds", "round open, first push to close"),
+                       ("quorum_seconds", "round open to quorum")):
+        q = summary[key]
+        if q:
+            console.print(f"{title}: median {q['median']:.3f} s, p90 {q['p90']:.3f} s, max {q['max']:.3f} s "
+                          f"({q['count']:,} rounds)")
+    if summary["refusals"]:
+        console.print("refusals: " + ", ".join(f"{k} {v:,}" for k, v in summary["refusals"].items()))
+    return 0
 
 
 def cmd_syncer(args) -> int:
@@ -333,6 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow --token to travel in plaintext to a syncer beyond loopback, without TLS (warns)")
     add_train_options(p)
     p.set_defaults(func=cmd_learner)
+
+    p = sub.add_parser("inspect", help="summarise a syncer's event tape (tape.jsonl in its --state directory)",
+                       description="Participation per round, measured H per fragment, staleness, round and quorum "
+                                   "times, refusals and membership, from a syncer's event tape.")
+    p.add_argument("tape", type=Path, help="tape.jsonl (rotated tape.jsonl.N files beside it are read too)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_inspect)
 
     from diloco.chaos import cli as chaos_cli
     from diloco.sim import cli as sim_cli

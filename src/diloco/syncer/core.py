@@ -142,6 +142,8 @@ class SyncerCore:
         Held only briefly and never while acquiring anything else."""
         self.merge_stats = {"count": 0, "total": 0.0, "last": 0.0, "max": 0.0}
         """Seconds of closed rounds (merge, outer step, encoding, persisting: `_close`)."""
+        self.tape = None
+        """The event tape (syncer/tape.py) rounds, joins, leaves, refusals and expiries are recorded on, if any."""
         self.on_merge: Callable[[float], None] | None = None
         """Called with each closed round's seconds (the service feeds its metrics)."""
 
@@ -243,6 +245,7 @@ class SyncerCore:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
             record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
+            self._event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
         return session
 
@@ -312,12 +315,14 @@ class SyncerCore:
             for learner_id in gone:
                 del self.learners[learner_id]
         if gone:
+            self._event("forgotten", learners=gone)
             self.persist([])
         return gone
 
     def leave(self, learner_id: str, session: str) -> None:
         with self.lock:
             self._record(learner_id, session).left = True
+            self._event("leave", learner=learner_id)
 
     def live(self) -> frozenset[str]:
         with self.lock:
@@ -348,6 +353,20 @@ class SyncerCore:
     ) -> PushResult:
         """Admit a contribution and fold it into its round's running sums. Worker thread: decoding and folding run
         without the lock."""
+        result = self._admit(learner_id, session, seq, fragment, base_version, steps, tokens, payload, data_position,
+                             transfer_seconds)
+        if not result.accepted:
+            self._event("refusal", learner=learner_id, fragment=fragment, seq=seq, reason=result.reason)
+        return result
+
+    def _event(self, kind: str, **fields) -> None:
+        if self.tape is not None:
+            self.tape.record(kind, clock=round(self.clock() - self.started_at, 6), **fields)
+
+    def _admit(
+        self, learner_id: str, session: str, seq: int, fragment: int, base_version: int, steps: int, tokens: int,
+        payload: codec.Encoded, data_position: int, transfer_seconds: float,
+    ) -> PushResult:
         with self.lock:
             record = self._record(learner_id, session)
             record.last_seen = self.clock()
@@ -521,6 +540,7 @@ class SyncerCore:
         params = fs.fragment.role == "params"
         with self.lock:
             contributions = list(fs.pending.values())
+            opened_at, quorum_at = fs.opened_at, fs.quorum_at
             counted = [self._counted(c) for c in contributions]
             share = (self._round_share(contributions, [t for t, _ in counted])
                      if self.cfg.scale_partial_rounds and params else 1.0)
@@ -564,6 +584,12 @@ class SyncerCore:
                 record.data_position = max(record.data_position, c.data_position)  # where merged work ended
             entry = (round(self.clock() - self.started_at, 4), index, fs.version, len(contributions))
             self.round_log.append(entry)
+            now = self.clock()
+            self._event("round", fragment=index, version=fs.version, share=round(share, 6),
+                        open_seconds=None if opened_at is None else round(now - opened_at, 6),
+                        quorum_seconds=None if opened_at is None or quorum_at is None else round(quorum_at - opened_at, 6),
+                        contributors=[{"learner": c.learner, "steps": c.steps, "tokens": c.tokens,
+                                       "staleness": fs.version - 1 - c.base_version} for c in contributions])
             self.recent_rounds.append(entry)
         # ---- disk and encoding, without the lock (only the worker adds learners or changes fragments)
         if self.store is not None:

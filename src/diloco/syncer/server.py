@@ -24,6 +24,7 @@ from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
 from diloco.syncer.store import StateStore
+from diloco.syncer.tape import Tape
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import json_safe
 from diloco.wire.messages import SERVER_OPTIONS
@@ -215,6 +216,9 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
     if core.restore():
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
+    if opts.out:
+        core.tape = Tape(opts.out / "tape.jsonl")
+        core.tape.record("start", shard=list(opts.shard), config=json.loads(core.cfg.to_json()), rounds=core.rounds)
     metrics = SyncerMetrics()
     service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout,
                             allow_takeover=opts.allow_takeover)
@@ -290,6 +294,9 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         else:
             status.update(health(core))
         service.shutdown()
+        if core.tape is not None:
+            core.tape.record("stop", rounds=core.rounds)
+            core.tape.close()
     return status
 
 

@@ -1,0 +1,101 @@
+"""The event tape: every round, join, leave, refusal and expiry as one JSON line, with monotonic and wall time,
+in `tape.jsonl` of the syncer's --state directory, size-bounded and rotated (logging's RotatingFileHandler).
+`diloco inspect TAPE` summarises one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import time
+from pathlib import Path
+
+MAX_BYTES = 64 * 1024 * 1024
+"""Size of tape.jsonl before it is rotated to tape.jsonl.1 (…, up to BACKUPS older files)."""
+BACKUPS = 4
+
+
+class Tape:
+    """Writes events; `record(kind, **fields)` is safe from any thread (logging's handler holds a lock)."""
+
+    def __init__(self, path: Path, max_bytes: int = MAX_BYTES, backups: int = BACKUPS):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._logger = logging.getLogger(f"diloco.tape.{id(self)}")
+        self._logger.propagate = False
+        self._logger.setLevel(logging.INFO)
+        self._handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
+                                                             encoding="utf-8")
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        self._logger.addHandler(self._handler)
+
+    def record(self, kind: str, **fields) -> None:
+        event = {"event": kind, "mono": round(time.monotonic(), 6), "wall": round(time.time(), 6), **fields}
+        self._logger.info(json.dumps(event, allow_nan=False, default=str))
+
+    def close(self) -> None:
+        self._logger.removeHandler(self._handler)
+        self._handler.close()
+
+
+def read(path: Path) -> list[dict]:
+    """A tape's events, oldest first, rotated files included; a line cut by a crash is skipped."""
+    path = Path(path)
+    files = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
+    events = []
+    for f in [*files, path]:
+        if not f.exists():
+            continue
+        for line in f.read_text(encoding="utf-8").splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def _quantiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    values = sorted(values)
+    at = lambda q: values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]  # noqa: E731
+    return {"count": len(values), "median": at(0.5), "p90": at(0.9), "max": values[-1]}
+
+
+def summarise(events: list[dict]) -> dict:
+    """What `diloco inspect` prints: participation, measured H per fragment, staleness, grace and refusals."""
+    rounds = [e for e in events if e.get("event") == "round"]
+    contributions = [c for r in rounds for c in r.get("contributors", [])]
+    per_fragment: dict[int, list[dict]] = {}
+    for r in rounds:
+        per_fragment.setdefault(r["fragment"], []).append(r)
+    participation: dict[int, int] = {}
+    for r in rounds:
+        n = len(r.get("contributors", []))
+        participation[n] = participation.get(n, 0) + 1
+    staleness: dict[int, int] = {}
+    for c in contributions:
+        staleness[c["staleness"]] = staleness.get(c["staleness"], 0) + 1
+    refusals: dict[str, int] = {}
+    for e in events:
+        if e.get("event") == "refusal":
+            reason = str(e.get("reason", "")).split(":")[0]
+            refusals[reason] = refusals.get(reason, 0) + 1
+    span = [e["wall"] for e in events if "wall" in e]
+    return {
+        "events": len(events),
+        "seconds": round(max(span) - min(span), 3) if span else 0.0,
+        "rounds": len(rounds),
+        "contributors_per_round": dict(sorted(participation.items())),
+        "fragments": {p: {"rounds": len(rs),
+                          "mean_contributors": round(sum(len(r["contributors"]) for r in rs) / len(rs), 3),
+                          "measured_h": round(sum(c["steps"] for r in rs for c in r["contributors"])
+                                              / max(1, sum(len(r["contributors"]) for r in rs)), 3)}
+                      for p, rs in sorted(per_fragment.items())},
+        "staleness": dict(sorted(staleness.items())),
+        "round_open_seconds": _quantiles([r["open_seconds"] for r in rounds if r.get("open_seconds") is not None]),
+        "quorum_seconds": _quantiles([r["quorum_seconds"] for r in rounds if r.get("quorum_seconds") is not None]),
+        "refusals": refusals,
+        "joins": sum(e.get("event") == "join" for e in events),
+        "leaves": sum(e.get("event") == "leave" for e in events),
+    }

@@ -1,0 +1,54 @@
+"""The event tape: rounds, joins, leaves and refusals as JSON lines, rotated, and what `diloco inspect` makes of them."""
+
+import json
+
+import torch
+
+from diloco import codec
+from diloco.cli import main
+from diloco.config import for_mode
+from diloco.fragments import TensorSpec, plan_fragments
+from diloco.syncer.core import SyncerCore
+from diloco.syncer.tape import Tape, read, summarise
+
+SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
+
+
+def test_a_core_records_its_events_and_inspect_summarises_them(tmp_path, capsys):
+    core = SyncerCore(for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0))
+    core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
+    core.tape = Tape(tmp_path / "tape.jsonl")
+    sa, sb = core.join("a", SPECS), core.join("b", SPECS)
+    n = core.fragments[1].fragment.numel
+    for seq in (1, 2):
+        for lid, s in (("a", sa), ("b", sb)):
+            assert core.push(lid, s, seq, 1, core.fragments[1].version, 6, 60, codec.encode(torch.full((n,), 0.1), "fp32")).accepted
+        core.poll()
+    stale = core.push("a", sa, 3, 1, 0, 6, 60, codec.encode(torch.full((n,), 0.1), "fp32"))  # based on version 0
+    assert stale.accepted  # staleness 2 is within max_staleness
+    core.poll()
+    assert not core.push("b", sb, 3, 1, 0, 6, 60, codec.encode(torch.full((n,), float("nan")), "fp32")).accepted
+    core.leave("b", sb)
+    core.tape.close()
+    events = read(tmp_path / "tape.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds.count("join") == 2 and kinds.count("round") == 3 and kinds.count("refusal") == 1 and "leave" in kinds
+    assert all("mono" in e and "wall" in e for e in events)
+    summary = summarise(events)
+    assert summary["contributors_per_round"] == {1: 1, 2: 2}
+    assert summary["fragments"][1]["measured_h"] == 6.0 and summary["staleness"].get(2) == 1
+    assert summary["refusals"] == {"non-finite values": 1}
+    assert main(["inspect", str(tmp_path / "tape.jsonl"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rounds"] == 3
+    assert main(["inspect", str(tmp_path / "tape.jsonl")]) == 0
+    assert "measured H" in capsys.readouterr().out
+
+
+def test_the_tape_is_rotated_and_read_back_in_order(tmp_path):
+    tape = Tape(tmp_path / "tape.jsonl", max_bytes=400, backups=3)
+    for i in range(30):
+        tape.record("round", i=i)
+    tape.close()
+    assert (tmp_path / "tape.jsonl.1").exists() and not (tmp_path / "tape.jsonl.4").exists()  # bounded
+    seen = [e["i"] for e in read(tmp_path / "tape.jsonl")]
+    assert seen == sorted(seen) and seen[-1] == 29 and len(seen) < 30  # oldest rotated away
