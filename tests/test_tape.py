@@ -52,3 +52,16 @@ def test_the_tape_is_rotated_and_read_back_in_order(tmp_path):
     assert (tmp_path / "tape.jsonl.1").exists() and not (tmp_path / "tape.jsonl.4").exists()  # bounded
     seen = [e["i"] for e in read(tmp_path / "tape.jsonl")]
     assert seen == sorted(seen) and seen[-1] == 29 and len(seen) < 30  # oldest rotated away
+
+
+def test_round_events_feed_participation_staleness_and_round_time_metrics():
+    from diloco.syncer.metrics import SyncerMetrics
+
+    metrics = SyncerMetrics()
+    metrics.observe_event("round", {"contributors": [{"staleness": 0}, {"staleness": 3}], "open_seconds": 0.4,
+                                    "quorum_seconds": 0.0})
+    metrics.observe_event("join", {"learner": "a"})
+    text = metrics.exposition().decode()
+    assert "diloco_round_contributors_count 1.0" in text and "diloco_round_contributors_sum 2.0" in text
+    assert "diloco_contribution_staleness_sum 3.0" in text and "diloco_round_open_seconds_sum 0.4" in text
+    assert "diloco_round_quorum_seconds_count 1.0" in text

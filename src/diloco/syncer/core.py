@@ -144,6 +144,8 @@ class SyncerCore:
         """Seconds of closed rounds (merge, outer step, encoding, persisting: `_close`)."""
         self.tape = None
         """The event tape (syncer/tape.py) rounds, joins, leaves, refusals and expiries are recorded on, if any."""
+        self.on_event: Callable[[str, dict], None] | None = None
+        """Called with each event the tape records (the service feeds its metrics)."""
         self.on_merge: Callable[[float], None] | None = None
         """Called with each closed round's seconds (the service feeds its metrics)."""
 
@@ -360,6 +362,8 @@ class SyncerCore:
         return result
 
     def _event(self, kind: str, **fields) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, fields)
         if self.tape is not None:
             self.tape.record(kind, clock=round(self.clock() - self.started_at, 6), **fields)
 

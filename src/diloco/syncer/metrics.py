@@ -42,7 +42,32 @@ class SyncerMetrics:
         self.heartbeat_seconds = Histogram(
             "diloco_heartbeat_seconds", "seconds the syncer took to record a heartbeat (waiting included)", registry=r,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+        self.round_contributors = Histogram(
+            "diloco_round_contributors", "learners whose contributions a round merged (participation)", registry=r,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128))
+        self.staleness = Histogram(
+            "diloco_contribution_staleness", "versions a merged contribution was behind its fragment", registry=r,
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16))
+        self.round_open_seconds = Histogram(
+            "diloco_round_open_seconds", "seconds from a round's first contribution to its close (quorum and grace)",
+            registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0))
+        self.quorum_seconds = Histogram(
+            "diloco_round_quorum_seconds", "seconds from a round's first contribution to its quorum", registry=r,
+            buckets=(0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0))
         self._reasons: set[str] = set()
+
+    def observe_event(self, kind: str, fields: dict) -> None:
+        """Participation, staleness and round times from the core's round events."""
+        if kind != "round":
+            return
+        contributors = fields.get("contributors", [])
+        self.round_contributors.observe(len(contributors))
+        for c in contributors:
+            self.staleness.observe(c["staleness"])
+        if fields.get("open_seconds") is not None:
+            self.round_open_seconds.observe(fields["open_seconds"])
+        if fields.get("quorum_seconds") is not None:
+            self.quorum_seconds.observe(fields["quorum_seconds"])
 
     def refused(self, reason: str) -> None:
         """Count one refusal under a bounded label (see reason_label)."""

@@ -65,6 +65,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.loop_lag = {"last": 0.0, "max": 0.0}
         """How late a 0.1 s sleep on the event loop woke up, latest and largest (`watch_loop_lag`)."""
         core.on_merge = metrics.merge_seconds.observe
+        core.on_event = metrics.observe_event
         metrics.core_queue.set_function(self.core_queue_depth)
         self._queues: dict[str, UpdateQueue] = {}
         self._streams: dict[tuple[str, str], int] = {}
