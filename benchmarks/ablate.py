@@ -76,6 +76,24 @@ def summarise(runs: list[dict]) -> dict:
             "goodput": statistics.fmean(r["goodput"] for r in runs), "runs": len(runs)}
 
 
+def markdown(results: dict) -> str:
+    """The sweep as markdown tables: one per setting, each configuration against the paper preset and defaults."""
+    out = []
+    for setting, rows in results["settings"].items():
+        ref = {k: rows[k]["loss_mean"] for k in ("paper", "default") if k in rows}
+        out += [f"**{setting}** ({', '.join(SETTINGS[setting]) or 'equal speeds, no faults'}):", "",
+                "| configuration | held-out loss (mean ± half range) | vs its reference | tokens trained | goodput | "
+                "steps over pace |", "|---|---|---|---|---|---|"]
+        for name, r in rows.items():
+            base = ref.get("paper" if name.startswith("paper") else "default")
+            diff = "" if base is None or name in ref else f"{r['loss_mean'] - base:+.3f}"
+            overruns = sum(x.get("pace_overruns") or 0 for x in r["per_seed"])
+            out.append(f"| {name} | {r['loss_mean']:.3f} ± {r['loss_half_range']:.3f} | {diff} | "
+                       f"{r['tokens_trained']:,.0f} | {r['goodput']:.3f} | {overruns} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("small", "tiny"), default="tiny")
@@ -88,7 +106,11 @@ def main() -> None:
                    help="which sweeps: paper + each, defaults − each, or both")
     p.add_argument("--out", type=Path, default=Path("runs") / f"ablate-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--json", type=Path, help="write the results here (also written as the sweep goes)")
+    p.add_argument("--markdown", type=Path, metavar="JSON", help="only print the tables of a finished sweep's JSON")
     args = p.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     mechanisms = args.mechanisms.split(",")
     unknown = [m for m in mechanisms if m not in MECHANISMS]
