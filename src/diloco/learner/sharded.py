@@ -7,6 +7,8 @@ are decided alike everywhere, and the learner stops when any shard says so."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from diloco.fragments import TensorSpec
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.transport import Arrival, JoinInfo, PushJob, Receiver, SyncerError
@@ -94,11 +96,17 @@ class ShardedTransport:
         return next((shard.error for shard in self.shards if shard.error is not None), None)
 
     def close(self, timeout: float | None = 300.0) -> None:
-        errors = []
-        for shard in self.shards:
-            try:
-                shard.close(timeout)
-            except SyncerError as e:
-                errors.append(f"shard at {shard.address}: {e}")
+        """Every shard's close at once (each waits for its own pushes), so the whole takes `timeout` at most."""
+        with ThreadPoolExecutor(len(self.shards)) as pool:
+            outcomes = list(pool.map(lambda shard: self._close_one(shard, timeout), self.shards))
+        errors = [e for e in outcomes if e]
         if errors:
             raise SyncerError("; ".join(errors))
+
+    @staticmethod
+    def _close_one(shard: GrpcTransport, timeout: float | None) -> str | None:
+        try:
+            shard.close(timeout)
+        except SyncerError as e:
+            return f"shard at {shard.address}: {e}"
+        return None
