@@ -180,6 +180,21 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from diloco.syncer.replay import replay
+    from diloco.syncer.tape import read
+
+    if not args.tape.exists():
+        raise UserError(f"no tape at {args.tape}: a syncer started with --state DIR writes DIR/tape.jsonl")
+    replayed, differences = replay(read(args.tape))
+    for d in differences[:50]:
+        print(f"fragment {d.fragment} version {d.version}: {d.what}")
+    if len(differences) > 50:
+        print(f"... and {len(differences) - 50} more")
+    print(f"{replayed} rounds replayed, {len(differences)} differences")
+    return 1 if differences else 0
+
+
 def cmd_syncer(args) -> int:
     from diloco.config import for_mode
     from diloco.syncer.server import ServerOptions, serve
@@ -385,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tape", type=Path, help="tape.jsonl (rotated tape.jsonl.N files beside it are read too)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("replay", help="recompute a tape's round decisions and merge weights with this code",
+                       description="Replay the round policy and the merge weights of every round a syncer's event "
+                                   "tape recorded, and report where this code decides differently (exit code 1).")
+    p.add_argument("tape", type=Path, help="tape.jsonl (rotated tape.jsonl.N files beside it are read too)")
+    p.set_defaults(func=cmd_replay)
 
     from diloco.chaos import cli as chaos_cli
     from diloco.sim import cli as sim_cli

@@ -419,7 +419,7 @@ class SyncerCore:
         if repeated:
             # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
             # to take it out again; docs/architecture.md, Syncer memory)
-            self._outbox.extend(self._close(fragment, fs))
+            self._outbox.extend(self._close(fragment, fs, {"reason": "repeat"}))
         c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position)
         if fs.merging is None:
             method = self.cfg.merge if fs.fragment.role == "params" else "mean"
@@ -486,14 +486,20 @@ class SyncerCore:
             for index, fs in enumerate(self.fragments):
                 if not fs.pending:
                     continue
-                d = self._decide(index, fs, live, avg, now)
+                quorum_before = fs.quorum_at
+                d, expected = self._decide(index, fs, live, avg, now)
                 if d.quorum_at is not None and fs.quorum_at is None:
                     fs.quorum_at = d.quorum_at
                     self.quorum_avg.update(d.quorum_at - fs.opened_at)
                 if d.close or force:
-                    closing.append((index, fs))
-        for index, fs in closing:
-            out.extend(self._close(index, fs))
+                    t = lambda x: None if x is None else round(x - self.started_at, 6)  # noqa: E731
+                    # what the policy decided on: the tape can replay it (syncer/replay.py)
+                    inputs = {"reason": d.reason if d.close else "forced", "now": t(now), "opened_at": t(fs.opened_at),
+                              "quorum_at": t(quorum_before), "live": sorted(live), "averages": vars(avg),
+                              "expected": {k: t(v) for k, v in expected.items()}}
+                    closing.append((index, fs, inputs))
+        for index, fs, inputs in closing:
+            out.extend(self._close(index, fs, inputs))
         return out
 
     def next_wakeup(self) -> float | None:
@@ -506,7 +512,7 @@ class SyncerCore:
         times = [now] if self._outbox else []
         for index, fs in enumerate(self.fragments):
             if fs.pending:
-                d = self._decide(index, fs, live, avg, now)
+                d, _ = self._decide(index, fs, live, avg, now)
                 times.append(now if d.close else d.wake_at)
         # a learner turning absent can unblock a round that waits for everyone
         times += [self.learners[i].last_seen + self.cfg.absent_after_seconds for i in live]
@@ -514,13 +520,14 @@ class SyncerCore:
         return min(times) if times else None
 
     def _decide(self, index: int, fs: FragmentState, live: frozenset[str], avg: Averages, now: float):
+        """The policy's decision for a fragment's open round, and the predicted pushes it was given."""
         state = RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at)
         policy, expected = self.policy, {}
         if policy.expect_steps:
             expected = {i: at for i in live - state.contributors
                         if (at := phase.predicted_push(self.learners[i], index, now, self.cfg.sync_every,
                                                        self.cfg.fragments)) is not None}
-        return decide(state, live, avg, now, policy, expected)
+        return decide(state, live, avg, now, policy, expected), expected
 
     def phase_lead(self, learner_id: str) -> float | None:
         """Steps by which this learner's push schedule runs ahead of its reference's (negative: behind); see
@@ -535,7 +542,7 @@ class SyncerCore:
         peers = [self.learners[i] for i in self.live() - {learner_id}]
         return phase.phase_lead(record, peers, self.clock(), self.cfg.sync_every, self.cfg.fragments)
 
-    def _close(self, index: int, fs: FragmentState) -> list[Publication]:
+    def _close(self, index: int, fs: FragmentState, decision: dict | None = None) -> list[Publication]:
         """Merge the round, take the outer step, persist, and return the publications. Worker thread, called
         without the lock: it takes it only for the bookkeeping; the arithmetic touches tensors only the worker
         does."""
@@ -592,8 +599,12 @@ class SyncerCore:
             self._event("round", fragment=index, version=fs.version, share=round(share, 6),
                         open_seconds=None if opened_at is None else round(now - opened_at, 6),
                         quorum_seconds=None if opened_at is None or quorum_at is None else round(quorum_at - opened_at, 6),
+                        decision=decision,
                         contributors=[{"learner": c.learner, "steps": c.steps, "tokens": c.tokens,
-                                       "staleness": fs.version - 1 - c.base_version} for c in contributions])
+                                       "staleness": fs.version - 1 - c.base_version,
+                                       "weight": token_weight(*counted_c, fs.version - 1 - c.base_version,
+                                                              self.cfg.staleness_decay)}
+                                      for c, counted_c in zip(contributions, counted)])
             self.recent_rounds.append(entry)
         # ---- disk and encoding, without the lock (only the worker adds learners or changes fragments)
         if self.store is not None:
