@@ -88,6 +88,10 @@ class SyncerMetrics:
         self.tokens_trained.set(status["tokens_trained"])
         self.tokens_merged.set(status["tokens_merged"])
 
+    def wire_by_direction(self) -> dict[str, int]:
+        """Bytes sent to and received from learners (the syncer's view), for /status."""
+        return {f"wire_bytes_{d}": int(self.wire_bytes.labels(d)._value.get()) for d in ("sent", "received")}
+
     def total_wire_bytes(self) -> int:
         return int(sum(self.wire_bytes.labels(d)._value.get() for d in ("sent", "received")))
 

@@ -248,7 +248,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     next_tokens = opts.snapshot_tokens
     try:
         while not stop.is_set():
-            status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **ready,
+            status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
+                          **ready,
                           **health(core))
             metrics.observe_status(status)
             if on_status:
@@ -275,7 +276,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         await server.stop(grace=2.0)
         if http:
             http.shutdown()
-        status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **ready)
+        status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
+                      **ready)
         status["round_log"] = list(core.round_log)
         if opts.out and core.initialized:
             await service._core(core.persist, [])  # a failure is logged and recorded in state_error
