@@ -88,3 +88,20 @@ def test_a_run_with_two_syncer_shards_trains_and_reports_as_one(tmp_path):
     assert combined["rounds"] == sum(s["rounds"] for s in shards) == report["rounds"]
     assert report["final_eval_loss"] < report["initial_eval_loss"]  # the model assembled from both shards
     assert all(learner["exit_code"] == 0 and learner["steps"] == 24 for learner in report["per_learner"])
+
+
+def test_a_run_writes_tensorboard_curves_for_each_learner_and_the_global_model(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "board"
+    report, out = diloco_run(tmp_path, "--learners", "2", "--steps", "12", "--fragments", "2", "--sync-every", "4",
+                             "--tensorboard", str(board))
+    for lid in ("learner-0", "learner-1"):
+        events = EventAccumulator(str(board / lid))
+        events.Reload()
+        losses = events.Scalars("learner/loss")
+        assert [e.step for e in losses] == list(range(1, 13))
+    events = EventAccumulator(str(board / "global"))
+    events.Reload()
+    curve = events.Scalars("global/eval_loss_by_tokens_trained")
+    assert len(curve) == len(report["eval_curve"]) and curve[-1].value == pytest.approx(report["eval_curve"][-1]["eval_loss"])

@@ -288,7 +288,7 @@ def cmd_learner(args) -> int:
     group = island_group(device)
     leader = group is None or int(os.environ.get("RANK", "0")) == 0
     opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.pace, args.max_steps, args.metrics,
-                         stop=leave_on_signal())
+                         tensorboard=args.tensorboard / args.id if args.tensorboard else None, stop=leave_on_signal())
     options = dict(token=args.token or "", connect_timeout=args.connect_timeout, stall_timeout=args.stall_timeout,
                    tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     transport = None
@@ -377,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="stop after this many steps")
     p.add_argument("--metrics", type=Path, help="append per-step JSON lines to this file")
     p.add_argument("--summary", type=Path, help="write this learner's summary JSON here at the end")
+    p.add_argument("--tensorboard", type=Path, metavar="DIR",
+                   help="also write this learner's curves as TensorBoard event files into DIR/<id>")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several learners share a machine)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model trains: auto (CUDA when visible, else CPU), cpu or cuda; under torchrun each "

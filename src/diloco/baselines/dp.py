@@ -118,6 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--pace", type=float, help="seconds per step at speed 1 that every step is padded to")
+    p.add_argument("--tensorboard", type=Path, help="also write this worker's curves into DIR/learner-<rank>")
     p.add_argument("--max-steps", type=int, help="total steps of the job, restarts included")
     p.add_argument("--duration", type=float, help="seconds of training for the whole job, restarts included")
     p.add_argument("--snapshot-every", type=int, default=0, help="steps between snapshots (rank 0)")
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
                            position=step * cfg.batch_size)
     metrics = args.out.parent / "metrics" / f"learner-{args.rank}.jsonl"
     end_cut_line(metrics)
-    clock, log = StepClock(args.speed, args.pace), MetricsLog(metrics)
+    board = args.tensorboard / f"learner-{args.rank}" if args.tensorboard else None
+    clock, log = StepClock(args.speed, args.pace), MetricsLog(metrics, board)
     flat = torch.zeros(numel + 2)  # gradients, rank 0's stop vote and share of the time budget: one all-reduce
     tokens_per_step = cfg.tokens_per_step()
     started, deadline = job_clock(args.out / "clock.json", args.duration) if args.rank == 0 else (0.0, None)

@@ -75,6 +75,8 @@ def start_workers(plan, job: dict, restarts: int) -> Procs:
             cmd += ["--max-steps", str(job["steps"])]
         if plan.pace:
             cmd += ["--pace", str(plan.pace)]
+        if plan.tensorboard:
+            cmd += ["--tensorboard", str(plan.tensorboard)]
         if job["duration"]:  # the job's deadline is fixed by its first training step (dp.job_clock)
             cmd += ["--duration", str(job["duration"])]
         procs[f"learner-{i}"] = spawn(cmd, log_path(plan, f"learner-{i}", restarts))

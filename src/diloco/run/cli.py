@@ -40,6 +40,9 @@ def register(sub, add_sync_options, add_train_options) -> None:
                    help="pad every step to SECONDS / speed so each learner's capacity is fixed and goodput ≤ 1 "
                         "(auto: measured on this machine; default: auto with --chaos, off otherwise)")
     p.add_argument("--out", type=Path, help="run directory (default runs/<time>-<mode>)")
+    p.add_argument("--tensorboard", type=Path, metavar="DIR",
+                   help="also write TensorBoard event files: each learner's curves in DIR/<id>, the global model's "
+                        "held-out loss in DIR/global")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no live display")
     p.add_argument("--snapshots", type=int, default=8, help="global-model snapshots for the eval-loss curve (8)")

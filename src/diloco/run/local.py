@@ -49,6 +49,8 @@ class Plan:
     fault_timeline: list | None = None
     fault_origin_unix: float | None = None
     """Unix time that the fault schedule's second 0 corresponds to (the first trained tokens)."""
+    tensorboard: Path | None = None
+    """Where learners and the report write TensorBoard event files (one directory per learner, and global/)."""
     syncer_shards: int = 1
     """Syncer processes, each serving the fragments p with p mod N = i (docs/architecture.md, Sharded syncers)."""
     pace: float | None = None
@@ -113,7 +115,7 @@ def make_plan(args) -> Plan:
         log.info("pacing every step at %.3f s (speed 1), measured on this machine", pace)
     pace = None if pace == "off" else pace
     return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
-                faults, syncer_shards=shards, pace=pace)
+                faults, tensorboard=getattr(args, "tensorboard", None), syncer_shards=shards, pace=pace)
 
 
 def budget_text(plan: Plan) -> str:
@@ -249,6 +251,8 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
             learner_args[lid] += ["--max-steps", str(plan.steps)]
         if plan.pace:
             learner_args[lid] += ["--pace", str(plan.pace)]
+        if plan.tensorboard:
+            learner_args[lid] += ["--tensorboard", str(plan.tensorboard)]
     faults = chaos or []
     n = plan.syncer_shards
     shard_dirs = [syncer_dir] if n == 1 else [syncer_dir / f"shard-{i}" for i in range(n)]

@@ -137,9 +137,22 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         run_start = source.get("started_unix", t0)
         plot_timeline([t - run_start for t in advances], faults, origin - run_start,
                       plan.mode, out / "timeline.png")
+    if getattr(plan, "tensorboard", None):
+        write_tensorboard(curve, plan.tensorboard / "global")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     plot_curve(curve, plan.mode, out / "eval_loss.png")
     return report
+
+
+def write_tensorboard(curve: list[dict], log_dir: Path) -> None:
+    """The global model's held-out loss against tokens trained and merged, as TensorBoard scalars."""
+    from diloco.train.loop import tensorboard_writer
+
+    board = tensorboard_writer(log_dir)
+    for point in curve:
+        board.add_scalar("global/eval_loss_by_tokens_trained", point["eval_loss"], global_step=point["tokens_trained"])
+        board.add_scalar("global/eval_loss_by_tokens_merged", point["eval_loss"], global_step=int(point["tokens_merged"]))
+    board.close()
 
 
 def plot_timeline(advances: list[float], faults: list[dict], offset: float, mode: str, path: Path) -> None:

@@ -37,6 +37,8 @@ class WorkerOptions:
     """Stop after this many inner steps even if the syncer has not said stop."""
     metrics_path: Path | None = None
     """Where to append one JSON line per step."""
+    tensorboard: Path | None = None
+    """Also write the per-step curves as TensorBoard event files into this directory."""
     stop: threading.Event | None = None
     """Set (e.g. on SIGTERM) to leave the run after the current step, pushing what is left first."""
 
@@ -86,22 +88,43 @@ class StepClock:
         return busy
 
 
-class MetricsLog:
-    """One JSON object per line; flushed at each write so a crash loses at most the line being written."""
+TENSORBOARD_SCALARS = ("loss", "tokens_per_second", "pushes", "applied")
 
-    def __init__(self, path: Path | None):
+
+def tensorboard_writer(log_dir: Path):
+    """A TensorBoard SummaryWriter for `log_dir`, or a clear error when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install 'diloco[tensorboard]'") from None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+class MetricsLog:
+    """One JSON object per line; flushed at each write so a crash loses at most the line being written. With a
+    TensorBoard directory, the step's loss, tokens/s, pushes and applied fragments go there too."""
+
+    def __init__(self, path: Path | None, tensorboard: Path | None = None):
         self._file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", buffering=1)
+        self._board = tensorboard_writer(tensorboard) if tensorboard is not None else None
 
     def write(self, **record) -> None:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
+        if self._board is not None:
+            for key in TENSORBOARD_SCALARS:
+                if record.get(key) is not None:
+                    self._board.add_scalar(f"learner/{key}", record[key], global_step=record["step"],
+                                           walltime=record.get("t"))
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+        if self._board is not None:
+            self._board.close()
 
 
 def train_step(model, optimizer, x, y, step: int, cfg: TrainConfig, progress: float | None = None) -> float:
@@ -138,7 +161,8 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
     optimizer = make_inner_optimizer(model, cfg)
     sampler = ShardSampler(corpus.train, opts.shard * ranks + rank, opts.num_shards * ranks, cfg.model.seq_len,
                            cfg.batch_size, cfg.seed, position=learner.data_position)
-    clock, metrics = StepClock(opts.speed, opts.pace), MetricsLog(opts.metrics_path if rank == 0 else None)
+    clock = StepClock(opts.speed, opts.pace)
+    metrics = MetricsLog(opts.metrics_path if rank == 0 else None, opts.tensorboard if rank == 0 else None)
     tokens_per_step = cfg.tokens_per_step()
     started = time.time()
     try:
