@@ -80,3 +80,42 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         learner.close()
     finally:
         syncer.stop()
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
+    """Opens the page in headless Chromium (Debian's `chromium`, when installed) and reads the DOM its script built."""
+    browser = chromium()
+    if browser is None:
+        import pytest
+
+        pytest.skip("no chromium on this machine (apt-get install chromium): the node test above covers the script")
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
+                          ServerOptions(listen="127.0.0.1:0", http="127.0.0.1:0"))
+    try:
+        port = syncer.status["http_port"]
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+        learner = Learner(model, GrpcTransport(syncer.address), "browser-test")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(12):
+            x = torch.randint(0, 16, (4, 4))
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            learner.step(x.numel(), loss=loss.item())
+        learner.finish()  # nothing moves any more: the page and /status must agree
+        wait_for(lambda: [x["state"] for x in json.loads(get(port, "/status")[1])["learners"]] == ["left"], timeout=20)
+        status = json.loads(get(port, "/status")[1])
+        dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                              f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", f"http://127.0.0.1:{port}/"],
+                             capture_output=True, text=True, timeout=120).stdout
+        assert "browser-test" in dom and '<td class="left">left</td>' in dom
+        assert f"<b>{status['rounds']:,}</b><span>rounds</span>" in dom
+        assert dom.count("<rect") >= 2 and '<span id="error"></span>' in dom  # every poll succeeded
+    finally:
+        syncer.stop()
