@@ -32,6 +32,13 @@ def test_killed_learner_restarts_under_its_id_and_trains_again(tmp_path):
     assert all(x["exit_code"] == 0 for x in report["per_learner"])
     assert report["uptime"] >= 0.9 and report["final_eval_loss"] < report["initial_eval_loss"]
     assert (out / "timeline.png").exists()
+    # the fault on its tape, read with the syncer's as one
+    proc = subprocess.run([sys.executable, "-m", "diloco", "inspect", str(out / "syncer" / "tape.jsonl"),
+                           str(out / "faults.jsonl"), "--json"], capture_output=True, text=True, timeout=60)
+    summary = json.loads(proc.stdout)
+    assert summary["faults"] == [{"kind": "kill", "target": "learner-1", "run_seconds": summary["faults"][0]["run_seconds"],
+                                  "duration": 1}]
+    assert summary["rounds"] == report["rounds"] and summary["joins"] >= 4  # learner-1 joined twice
 
 
 def test_syncer_crash_loses_no_published_round(tmp_path):

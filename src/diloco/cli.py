@@ -140,11 +140,12 @@ def cmd_inspect(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from diloco.syncer.tape import read, summarise
+    from diloco.syncer.tape import read_all, summarise
 
-    if not args.tape.exists():
-        raise UserError(f"no tape at {args.tape}: a syncer started with --state DIR writes DIR/tape.jsonl")
-    summary = summarise(read(args.tape))
+    for path in args.tape:
+        if not path.exists():
+            raise UserError(f"no tape at {path}: a syncer started with --state DIR writes DIR/tape.jsonl")
+    summary = summarise(read_all(args.tape))
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -177,6 +178,8 @@ def cmd_inspect(args) -> int:
                           f"({q['count']:,} rounds)")
     if summary["refusals"]:
         console.print("refusals: " + ", ".join(f"{k} {v:,}" for k, v in summary["refusals"].items()))
+    for f in summary["faults"]:
+        console.print(f"fault: {f['kind']} {f['target']} at {f['run_seconds']:.0f} s for {f['duration']:.0f} s")
     return 0
 
 
@@ -399,7 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="summarise a syncer's event tape (tape.jsonl in its --state directory)",
                        description="Participation per round, measured H per fragment, staleness, round and quorum "
                                    "times, refusals and membership, from a syncer's event tape.")
-    p.add_argument("tape", type=Path, help="tape.jsonl (rotated tape.jsonl.N files beside it are read too)")
+    p.add_argument("tape", type=Path, nargs="+",
+                   help="tape.jsonl (rotated tape.jsonl.N files beside it are read too); several tapes (shards, a "
+                        "run's faults.jsonl) are read as one, in time order")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_inspect)
 

@@ -21,7 +21,9 @@ class Cluster(Protocol):
 class Injector:
     """Call `tick(t)` with the seconds since training started; faults start and end on those ticks."""
 
-    def __init__(self, faults: list[Fault], cluster: Cluster):
+    def __init__(self, faults: list[Fault], cluster: Cluster, tape=None):
+        """`tape`: a syncer/tape.Tape that gets a `fault` event as each fault starts and a `fault_end` as it ends."""
+        self.tape = tape
         self.pending = list(faults)
         self.cluster = cluster
         self.active: list[tuple[float, Fault]] = []  # (end time, fault)
@@ -33,12 +35,19 @@ class Injector:
             if t >= end:
                 self.active.remove((end, fault))
                 self._end(fault)
+                self._record("fault_end", t, fault)
         while self.pending and self.pending[0].at <= t:
             fault = self.pending.pop(0)
             self._start(fault)
             self.active.append((t + fault.duration, fault))
             self.timeline.append({"start": round(t, 3), "end": round(t + fault.duration, 3), "kind": fault.kind,
                                   "target": fault.target})
+            self._record("fault", t, fault)
+
+    def _record(self, event: str, t: float, fault: Fault) -> None:
+        if self.tape is not None:
+            self.tape.record(event, kind=fault.kind, target=fault.target, run_seconds=round(t, 3),
+                             duration=fault.duration)
 
     def _start(self, f: Fault) -> None:
         if f.kind in ("kill", "syncer-crash"):

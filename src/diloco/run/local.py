@@ -260,7 +260,12 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
                  for i, d in enumerate(shard_dirs)]
     cluster = LocalCluster(plan.out, per_shard, learner_args, proxies=any(f.kind == "partition" for f in faults),
                            ranks_per_learner=plan.ranks_per_learner)
-    injector = Injector(faults, cluster)
+    tape = None
+    if faults:  # the faults on a tape beside the syncer's: `diloco inspect syncer/tape.jsonl faults.jsonl`
+        from diloco.syncer.tape import Tape
+
+        tape = Tape(plan.out / "faults.jsonl")
+    injector = Injector(faults, cluster, tape)
     try:
         cluster.start()
         if progress.enabled:
@@ -291,6 +296,8 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
         raise RunFailed(str(e)) from None
     finally:
         cluster.shutdown()
+        if tape is not None:
+            tape.close()
     learners = collect_summaries(plan, cluster.procs)
     for i, d in enumerate(shard_dirs):
         if not (d / "syncer.json").exists():

@@ -29,13 +29,19 @@ class Tape:
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._logger.addHandler(self._handler)
 
-    def record(self, kind: str, **fields) -> None:
+    def record(self, kind: str, /, **fields) -> None:
         event = {"event": kind, "mono": round(time.monotonic(), 6), "wall": round(time.time(), 6), **fields}
         self._logger.info(json.dumps(event, allow_nan=False, default=str))
 
     def close(self) -> None:
         self._logger.removeHandler(self._handler)
         self._handler.close()
+
+
+def read_all(paths: list[Path]) -> list[dict]:
+    """Several tapes (a syncer's, its shards', a run's faults.jsonl) as one, in wall-clock order."""
+    events = [e for path in paths for e in read(path)]
+    return sorted(events, key=lambda e: e.get("wall", 0.0))
 
 
 def read(path: Path) -> list[dict]:
@@ -96,6 +102,8 @@ def summarise(events: list[dict]) -> dict:
         "round_open_seconds": _quantiles([r["open_seconds"] for r in rounds if r.get("open_seconds") is not None]),
         "quorum_seconds": _quantiles([r["quorum_seconds"] for r in rounds if r.get("quorum_seconds") is not None]),
         "refusals": refusals,
+        "faults": [{k: e.get(k) for k in ("kind", "target", "run_seconds", "duration")}
+                   for e in events if e.get("event") == "fault"],
         "joins": sum(e.get("event") == "join" for e in events),
         "leaves": sum(e.get("event") == "leave" for e in events),
     }
