@@ -66,14 +66,20 @@ def run_once(flags: list[str], setting: str, seed: int, args, out: Path) -> dict
         raise RuntimeError(f"run failed ({' '.join(cmd[3:])}): {proc.stderr[-1500:]}")
     report = json.loads(proc.stdout)
     return {k: report[k] for k in ("final_eval_loss", "initial_eval_loss", "tokens_trained", "tokens_merged",
-                                   "goodput", "wall_seconds", "pace_overruns")}
+                                   "goodput", "wall_seconds", "pace_overruns", "wire_bytes")}
+
+
+def tag(name: str) -> str:
+    """A configuration's name as a folder name."""
+    return name.replace(" ", "").replace("−", "-minus-").replace("+", "-plus-")
 
 
 def summarise(runs: list[dict]) -> dict:
     losses = [r["final_eval_loss"] for r in runs]
     return {"loss_mean": statistics.fmean(losses), "loss_half_range": (max(losses) - min(losses)) / 2,
             "tokens_trained": statistics.fmean(r["tokens_trained"] for r in runs),
-            "goodput": statistics.fmean(r["goodput"] for r in runs), "runs": len(runs)}
+            "goodput": statistics.fmean(r["goodput"] for r in runs), "runs": len(runs),
+            "wire_bytes": statistics.fmean(r.get("wire_bytes", 0) for r in runs)}
 
 
 def markdown(results: dict) -> str:
@@ -83,13 +89,14 @@ def markdown(results: dict) -> str:
         ref = {k: rows[k]["loss_mean"] for k in ("paper", "default") if k in rows}
         out += [f"**{setting}** ({', '.join(SETTINGS[setting]) or 'equal speeds, no faults'}):", "",
                 "| configuration | held-out loss (mean ± half range) | vs its reference | tokens trained | goodput | "
-                "steps over pace |", "|---|---|---|---|---|---|"]
+                "wire MB | steps over pace |", "|---|---|---|---|---|---|---|"]
         for name, r in rows.items():
             base = ref.get("paper" if name.startswith("paper") else "default")
             diff = "" if base is None or name in ref else f"{r['loss_mean'] - base:+.3f}"
             overruns = sum(x.get("pace_overruns") or 0 for x in r["per_seed"])
+            wire = statistics.fmean(x.get("wire_bytes", 0) for x in r["per_seed"]) / 1e6
             out.append(f"| {name} | {r['loss_mean']:.3f} ± {r['loss_half_range']:.3f} | {diff} | "
-                       f"{r['tokens_trained']:,.0f} | {r['goodput']:.3f} | {overruns} |")
+                       f"{r['tokens_trained']:,.0f} | {r['goodput']:.3f} | {wire:,.1f} | {overruns} |")
         out.append("")
     return "\n".join(out)
 
@@ -107,9 +114,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs") / f"ablate-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--json", type=Path, help="write the results here (also written as the sweep goes)")
     p.add_argument("--markdown", type=Path, metavar="JSON", help="only print the tables of a finished sweep's JSON")
+    p.add_argument("--runs", type=Path, help="with --markdown: the sweep's run folders, to read wire bytes from")
     args = p.parse_args()
     if args.markdown:
-        print(markdown(json.loads(args.markdown.read_text())))
+        results = json.loads(args.markdown.read_text())
+        if args.runs:  # sweeps from before wire bytes were kept: read them from each run's report
+            for setting, rows in results["settings"].items():
+                for name, r in rows.items():
+                    for seed, run in zip(args.seeds.split(","), r["per_seed"]):
+                        report = args.runs / f"{setting}-{tag(name)}-s{seed}" / "report.json"
+                        if "wire_bytes" not in run and report.exists():
+                            run["wire_bytes"] = json.loads(report.read_text())["wire_bytes"]
+        print(markdown(results))
         return
     seeds = [int(s) for s in args.seeds.split(",")]
     mechanisms = args.mechanisms.split(",")
@@ -139,8 +155,7 @@ def main() -> None:
                 continue
             runs = []
             for seed in seeds:
-                tag = f"{setting}-{name.replace(' ', '').replace('−', '-minus-').replace('+', '-plus-')}-s{seed}"
-                runs.append(run_once(flags, setting, seed, args, args.out / tag))
+                runs.append(run_once(flags, setting, seed, args, args.out / f"{setting}-{tag(name)}-s{seed}"))
                 done += 1
                 console.print(f"[{done}/{total}] {setting} · {name} · seed {seed}: loss "
                               f"{runs[-1]['final_eval_loss']:.4f}, goodput {runs[-1]['goodput']:.3f}")
