@@ -74,11 +74,12 @@ def merge_figures(numel: int, learners: int, repeats: int) -> dict:
     return out
 
 
-def durability_figures(params: float, fragments: int, folder: Path, repeats: int) -> dict:
+def durability_figures(params: float, fragments: int, folder: Path, repeats: int, outer_momentum: float) -> dict:
+    """One round's durable write; with μ = 0 (decoupled mode) only Θ is written, else Θ, momentum and pending Δ."""
     numel = int(params // fragments)
     theta, momentum = torch.randn(numel), torch.zeros(numel)
     spec = [TensorSpec("w", (numel,), "float32")]
-    core = SyncerCore(SyncConfig(fragments=1), store=StateStore(folder))
+    core = SyncerCore(SyncConfig(fragments=1, outer_momentum=outer_momentum), store=StateStore(folder))
     core.initialize(spec, [theta])  # writes generation 1
     fs: FragmentState = core.fragments[0]
     fs.momentum = momentum
@@ -90,17 +91,19 @@ def durability_figures(params: float, fragments: int, folder: Path, repeats: int
     # the disk's sequential rate in the same folder, fsynced, for the same bytes
     raw = theta.numpy().tobytes()
     path = folder / "raw.bin"
+    tensors = 3 if outer_momentum else 1
 
     def raw_write():
         with open(path, "wb") as f:
-            for _ in range(3):  # Θ, momentum, pending Δ
+            for _ in range(tensors):  # Θ (and momentum, pending Δ)
                 f.write(raw)
             f.flush()
             os.fsync(f.fileno())
     raw_seconds = median_seconds(raw_write, repeats)
     path.unlink()
-    written = 3 * numel * 4
-    return {"params": params, "fragments": fragments, "fragment_numel": numel, "bytes_per_round": written,
+    written = tensors * numel * 4
+    return {"params": params, "fragments": fragments, "outer_momentum": outer_momentum, "fragment_numel": numel,
+            "bytes_per_round": written,
             "round_write_seconds": seconds, "disk_write_seconds": raw_seconds,
             "round_write_gb_per_s": written / seconds / 1e9, "disk_gb_per_s": written / raw_seconds / 1e9,
             "rounds_per_second": 1 / seconds}
@@ -119,9 +122,11 @@ def main() -> None:
     torch.set_num_threads(1)  # the core worker is one thread
     merge = merge_figures(args.numel, args.learners, args.repeats)
     print(json.dumps(merge, indent=1))
-    with tempfile.TemporaryDirectory(dir=args.state) as folder:
-        durability = durability_figures(args.params, args.fragments, Path(folder), max(3, args.repeats // 2))
-    print(json.dumps(durability, indent=1))
+    durability = []
+    for mu in (0.0, 0.9):  # decoupled mode's μ, and DiLoCo's
+        with tempfile.TemporaryDirectory(dir=args.state) as folder:
+            durability.append(durability_figures(args.params, args.fragments, Path(folder), max(3, args.repeats // 2), mu))
+        print(json.dumps(durability[-1], indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"merge": merge, "durability": durability}, indent=1))
