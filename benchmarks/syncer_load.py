@@ -87,17 +87,23 @@ def proc_figures(pid: int) -> tuple[int, float]:
     return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+JOINS_AT_ONCE = 4
+"""Synthetic learners joining at the same time: each join holds a copy of the model on the syncer while it is sent
+(docs/results.md), so the benchmark staggers them as a deployment would."""
+
+
 async def synthetic_learner(name: str, syncers: list[dict], specs, payloads, versions: dict, rate: float,
-                            until: float, counts: dict) -> None:
+                            until: float, counts: dict, gate: asyncio.Semaphore) -> None:
     channels = [grpc.aio.insecure_channel(s["address"], options=GRPC_OPTIONS) for s in syncers]
     stubs = [pb_grpc.SyncerStub(c) for c in channels]
     sessions = []
-    for stub in stubs:  # join every shard; the model it sends is read and dropped
-        session = None
-        async for reply in stub.Join(pb.JoinRequest(learner_id=name, specs=specs_to_proto(specs))):
-            if reply.HasField("header"):
-                session = reply.header.session
-        sessions.append(session)
+    async with gate:
+        for stub in stubs:  # join every shard; the model it sends is read and dropped
+            session = None
+            async for reply in stub.Join(pb.JoinRequest(learner_id=name, specs=specs_to_proto(specs))):
+                if reply.HasField("header"):
+                    session = reply.header.session
+            sessions.append(session)
     counts["joined"] += 1
 
     async def drain(stub, session):  # reads its merged fragments as a learner does (and drops them)
@@ -160,7 +166,8 @@ async def load(syncers, specs, learners: int, rate: float, seconds: float) -> di
     versions: dict[int, int] = {}
     joined_at = time.monotonic()
     until = joined_at + seconds + 600  # joins first; the measured window starts when every learner is in
-    tasks = [asyncio.create_task(synthetic_learner(f"s{i}", syncers, specs, payloads, versions, rate, until, counts))
+    gate = asyncio.Semaphore(JOINS_AT_ONCE)
+    tasks = [asyncio.create_task(synthetic_learner(f"s{i}", syncers, specs, payloads, versions, rate, until, counts, gate))
              for i in range(learners)]
     while counts["joined"] < learners:
         await asyncio.sleep(0.2)
