@@ -19,6 +19,23 @@ def get(port: int, path: str):
         return r.headers.get("Content-Type"), r.read().decode()
 
 
+def trained_learner(address: str, name: str, steps: int = 12, pause: float = 0.0) -> Learner:
+    """A learner of a small model that trained `steps` steps against the syncer at `address`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+    learner = Learner(model, GrpcTransport(address), name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randint(0, 16, (4, 4))
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        learner.step(x.numel(), loss=loss.item())
+        time.sleep(pause)
+    return learner
+
+
 STAND_IN = """
 const elements = {};
 globalThis.document = { getElementById: (id) => (elements[id] = elements[id] || { id, textContent: "", innerHTML: "",
@@ -50,18 +67,7 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing loaded from elsewhere (no CDN)
         for panel in ("learners", "versions", "participation", "tokens", "loss", "timing", "refusals"):
             assert f'id="{panel}"' in page
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
-        learner = Learner(model, GrpcTransport(syncer.address), "a")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(12):
-            x = torch.randint(0, 16, (4, 4))
-            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            learner.step(x.numel(), loss=loss.item())
-            time.sleep(0.02)
+        learner = trained_learner(syncer.address, "a", pause=0.02)
         def shown():
             s = json.loads(get(port, "/status")[1])
             return s["recent_rounds"] and all(x["loss"] is not None for x in s["learners"])
@@ -97,17 +103,7 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
                           ServerOptions(listen="127.0.0.1:0", http="127.0.0.1:0"))
     try:
         port = syncer.status["http_port"]
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
-        learner = Learner(model, GrpcTransport(syncer.address), "browser-test")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(12):
-            x = torch.randint(0, 16, (4, 4))
-            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            learner.step(x.numel(), loss=loss.item())
+        learner = trained_learner(syncer.address, "browser-test")
         learner.finish()  # nothing moves any more: the page and /status must agree
         wait_for(lambda: [x["state"] for x in json.loads(get(port, "/status")[1])["learners"]] == ["left"], timeout=20)
         status = json.loads(get(port, "/status")[1])

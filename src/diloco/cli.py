@@ -138,9 +138,8 @@ def addresses(text: str) -> list[str]:
 
 def cmd_inspect(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    from diloco.syncer.tape import read_all, summarise
+    from diloco.syncer.tape import read_all, render, summarise
 
     for path in args.tape:
         if not path.exists():
@@ -149,37 +148,7 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    console = Console()
-    console.print(f"{summary['events']:,} events over {summary['seconds']:,.0f} s: {summary['rounds']:,} rounds, "
-                  f"{summary['joins']} joins, {summary['leaves']} leaves")
-    t = Table(title="contributors per round", title_justify="left")
-    t.add_column("contributors", justify="right")
-    t.add_column("rounds", justify="right")
-    for n, count in summary["contributors_per_round"].items():
-        t.add_row(str(n), f"{count:,}")
-    console.print(t)
-    t = Table(title="per fragment", title_justify="left")
-    for col in ("fragment", "rounds", "mean contributors", "measured H (steps per contribution)"):
-        t.add_column(col, justify="right")
-    for p, f in summary["fragments"].items():
-        t.add_row(str(p), f"{f['rounds']:,}", f"{f['mean_contributors']:.2f}", f"{f['measured_h']:.1f}")
-    console.print(t)
-    t = Table(title="staleness of merged contributions (versions behind)", title_justify="left")
-    t.add_column("staleness", justify="right")
-    t.add_column("contributions", justify="right")
-    for s, count in summary["staleness"].items():
-        t.add_row(str(s), f"{count:,}")
-    console.print(t)
-    for key, title in (("round_open_seconds", "round open, first push to close"),
-                       ("quorum_seconds", "round open to quorum")):
-        q = summary[key]
-        if q:
-            console.print(f"{title}: median {q['median']:.3f} s, p90 {q['p90']:.3f} s, max {q['max']:.3f} s "
-                          f"({q['count']:,} rounds)")
-    if summary["refusals"]:
-        console.print("refusals: " + ", ".join(f"{k} {v:,}" for k, v in summary["refusals"].items()))
-    for f in summary["faults"]:
-        console.print(f"fault: {f['kind']} {f['target']} at {f['run_seconds']:.0f} s for {f['duration']:.0f} s")
+    render(summary, Console())
     return 0
 
 

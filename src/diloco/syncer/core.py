@@ -29,10 +29,9 @@ from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
 from diloco.merge import StreamingMerge, token_weight
-from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.policy import Averages, MovingAverage, RoundState, decide
 from diloco.syncer.ledger import LearnerRecord
-from diloco.syncer import downlink, persistence, phase
+from diloco.syncer import downlink, persistence, phase, rounds
 from diloco.syncer.downlink import Publication
 from diloco.syncer.norm_guard import NormGuard
 from diloco.syncer.store import StateStore
@@ -141,7 +140,7 @@ class SyncerCore:
         """Guards the ledger and the round bookkeeping against the light calls of other threads (module docstring).
         Held only briefly and never while acquiring anything else."""
         self.merge_stats = {"count": 0, "total": 0.0, "last": 0.0, "max": 0.0}
-        """Seconds of closed rounds (merge, outer step, encoding, persisting: `_close`)."""
+        """Seconds of closed rounds (merge, outer step, encoding, persisting: `rounds.close`)."""
         self.tape = None
         """The event tape (syncer/tape.py) rounds, joins, leaves, refusals and expiries are recorded on, if any."""
         self.on_event: Callable[[str, dict], None] | None = None
@@ -247,7 +246,7 @@ class SyncerCore:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
             record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
-            self._event("join", learner=learner_id)
+            self.record_event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
         return session
 
@@ -317,14 +316,14 @@ class SyncerCore:
             for learner_id in gone:
                 del self.learners[learner_id]
         if gone:
-            self._event("forgotten", learners=gone)
+            self.record_event("forgotten", learners=gone)
             self.persist([])
         return gone
 
     def leave(self, learner_id: str, session: str) -> None:
         with self.lock:
             self._record(learner_id, session).left = True
-            self._event("leave", learner=learner_id)
+            self.record_event("leave", learner=learner_id)
 
     def live(self) -> frozenset[str]:
         with self.lock:
@@ -358,10 +357,11 @@ class SyncerCore:
         result = self._admit(learner_id, session, seq, fragment, base_version, steps, tokens, payload, data_position,
                              transfer_seconds)
         if not result.accepted:
-            self._event("refusal", learner=learner_id, fragment=fragment, seq=seq, reason=result.reason)
+            self.record_event("refusal", learner=learner_id, fragment=fragment, seq=seq, reason=result.reason)
         return result
 
-    def _event(self, kind: str, **fields) -> None:
+    def record_event(self, kind: str, **fields) -> None:
+        """One event to the metrics (`on_event`) and the tape, if either is attached."""
         if self.on_event is not None:
             self.on_event(kind, fields)
         if self.tape is not None:
@@ -419,13 +419,14 @@ class SyncerCore:
         if repeated:
             # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
             # to take it out again; docs/architecture.md, Syncer memory)
-            self._outbox.extend(self._close(fragment, fs, {"reason": "repeat"}))
+            self._outbox.extend(rounds.close(self, fragment, fs, {"reason": "repeat"}))
         c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position)
         if fs.merging is None:
             method = self.cfg.merge if fs.fragment.role == "params" else "mean"
             fs.merging = StreamingMerge(segments(fs.fragment), method)
         # the version cannot change while the round is open, so the weight is the one the round closes with
-        fs.merging.add(delta, token_weight(*self._counted(c), fs.version - base_version, self.cfg.staleness_decay))
+        fs.merging.add(delta, token_weight(*rounds.counted_as(c.tokens, c.steps, self.cfg), fs.version - base_version,
+                                             self.cfg.staleness_decay))
         with self.lock:
             fs.pending[learner_id] = c
             if fs.opened_at is None:
@@ -499,7 +500,7 @@ class SyncerCore:
                               "expected": {k: t(v) for k, v in expected.items()}}
                     closing.append((index, fs, inputs))
         for index, fs, inputs in closing:
-            out.extend(self._close(index, fs, inputs))
+            out.extend(rounds.close(self, index, fs, inputs))
         return out
 
     def next_wakeup(self) -> float | None:
@@ -541,109 +542,6 @@ class SyncerCore:
             return None
         peers = [self.learners[i] for i in self.live() - {learner_id}]
         return phase.phase_lead(record, peers, self.clock(), self.cfg.sync_every, self.cfg.fragments)
-
-    def _close(self, index: int, fs: FragmentState, decision: dict | None = None) -> list[Publication]:
-        """Merge the round, take the outer step, persist, and return the publications. Worker thread, called
-        without the lock: it takes it only for the bookkeeping; the arithmetic touches tensors only the worker
-        does."""
-        started = time.monotonic()
-        clock_started = self.clock()
-        params = fs.fragment.role == "params"
-        with self.lock:
-            contributions = list(fs.pending.values())
-            opened_at, quorum_at = fs.opened_at, fs.quorum_at
-            counted = [self._counted(c) for c in contributions]
-            share = (self._round_share(contributions, [t for t, _ in counted])
-                     if self.cfg.scale_partial_rounds and params else 1.0)
-        merging, fs.merging = fs.merging, None
-        # ---- the arithmetic, without the lock
-        delta = merging.result()
-        lossy = self.cfg.down_codec != "fp32"
-        if lossy and fs.published is None:
-            fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
-        if share < 1.0:
-            delta.mul_(share)
-        pending_share = fs.pending_share
-        if not params:  # buffers: their token-weighted mean, Θ − mean(Θ_base − b_m), no outer optimizer
-            fs.theta.sub_(delta)
-        elif self.cfg.delayed_momentum:
-            if fs.pending_delta is None:
-                fs.pending_delta = torch.zeros_like(fs.theta)
-            pending_share = delayed_nesterov_step(fs.theta, delta, fs.momentum, fs.pending_delta, share,
-                                                  fs.pending_share, self.cfg.outer_lr, self.cfg.outer_momentum)
-        else:
-            nesterov_step(fs.theta, delta, fs.momentum, self.cfg.outer_lr, self.cfg.outer_momentum)
-        del delta, merging
-        version = fs.version + 1
-        if lossy:
-            downlink.publish_change(fs, version, self.cfg.down_codec)
-        # ---- the bookkeeping, under the lock
-        with self.lock:
-            fs.pending_share = pending_share
-            fs.version = version
-            fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
-            self.rounds += 1
-            for c, (tokens, _) in zip(contributions, counted):
-                record = self.learners[c.learner]
-                key = f"{c.session}:{index}"
-                record.merged_seq[key] = max(c.seq, record.merged_seq.get(key, 0))
-                if not params:
-                    continue
-                record.contribution_tokens.update(tokens)
-                record.merged += 1
-                record.tokens_merged += c.tokens / self.cfg.fragments
-                record.data_position = max(record.data_position, c.data_position)  # where merged work ended
-            entry = (round(self.clock() - self.started_at, 4), index, fs.version, len(contributions))
-            self.round_log.append(entry)
-            now = self.clock()
-            self._event("round", fragment=index, version=fs.version, share=round(share, 6),
-                        open_seconds=None if opened_at is None else round(now - opened_at, 6),
-                        quorum_seconds=None if opened_at is None or quorum_at is None else round(quorum_at - opened_at, 6),
-                        decision=decision,
-                        contributors=[{"learner": c.learner, "steps": c.steps, "tokens": c.tokens,
-                                       "staleness": fs.version - 1 - c.base_version,
-                                       "weight": token_weight(*counted_c, fs.version - 1 - c.base_version,
-                                                              self.cfg.staleness_decay)}
-                                      for c, counted_c in zip(contributions, counted)])
-            self.recent_rounds.append(entry)
-        # ---- disk and encoding, without the lock (only the worker adds learners or changes fragments)
-        if self.store is not None:
-            self.store.append_round(entry)
-        self.persist([index])  # durable before it is published
-        full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
-        out = [pub for c in contributions for pub in downlink.publications(self.learners[c.learner], index, fs, c.seq, full)]
-        if self.cfg.publish_to == "live":  # DESIGN §3.4: to every live learner, unasked (seq 0) where it did not push
-            others = sorted(self.live() - {c.learner for c in contributions})
-            out += [pub for lid in others for pub in downlink.publications(self.learners[lid], index, fs, 0, full)]
-        seconds = time.monotonic() - started
-        with self.lock:
-            self.sync_avg.update(self.clock() - clock_started)
-            stats = self.merge_stats
-            stats["count"] += 1
-            stats["total"] += seconds
-            stats["last"] = seconds
-            stats["max"] = max(stats["max"], seconds)
-        if self.on_merge is not None:
-            self.on_merge(seconds)
-        return out
-
-    def _counted(self, c: Contribution) -> tuple[float, float]:
-        """(tokens, steps) a contribution counts for in weights and shares: at most H steps' worth. A learner cut
-        off for long returns with many steps of progress from an old base; counted in full, each such
-        contribution would take most of a round's share, and together they would overshoot the average."""
-        if c.steps <= self.cfg.sync_every or not self.cfg.clamp_long_contributions:
-            return float(c.tokens), float(c.steps)
-        return c.tokens * self.cfg.sync_every / c.steps, float(self.cfg.sync_every)
-
-    def _round_share(self, contributions: list[Contribution], counted: list[float]) -> float:
-        """Tokens in this round over those plus what each live learner missing from it typically brings."""
-        tokens = sum(counted)
-        if tokens <= 0:
-            return 1.0
-        present = {c.learner for c in contributions}
-        fallback = tokens / len(contributions)
-        missing = sum(self.learners[i].contribution_tokens.value or fallback for i in self.live() - present)
-        return tokens / (tokens + missing)
 
     # ---- durability ---------------------------------------------------------------------------------------
     def persist(self, changed) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from diloco.config import SyncConfig
 from diloco.merge import token_weight
 from diloco.policy import Averages, RoundState, decide
+from diloco.syncer.rounds import counted_as
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,7 @@ def replay(events: list[dict]) -> tuple[int, list[Difference]]:
         for c in contributors:
             if "weight" not in c:
                 continue
-            tokens, steps = float(c["tokens"]), float(c["steps"])
-            if cfg.clamp_long_contributions and steps > cfg.sync_every:
-                tokens, steps = tokens * cfg.sync_every / steps, float(cfg.sync_every)
-            weight = token_weight(tokens, steps, c["staleness"], cfg.staleness_decay)
+            weight = token_weight(*counted_as(c["tokens"], c["steps"], cfg), c["staleness"], cfg.staleness_decay)
             if abs(weight - c["weight"]) > 1e-9 * max(1.0, abs(weight)):
                 differences.append(Difference(fragment, version, f"{c['learner']}'s weight {weight:.6g}; the syncer "
                                                                  f"used {c['weight']:.6g}"))

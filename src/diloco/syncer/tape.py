@@ -107,3 +107,37 @@ def summarise(events: list[dict]) -> dict:
         "joins": sum(e.get("event") == "join" for e in events),
         "leaves": sum(e.get("event") == "leave" for e in events),
     }
+
+
+def _counts(console, title: str, columns: tuple[str, ...], rows) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def render(summary: dict, console) -> None:
+    """`diloco inspect`'s tables of a `summarise` result on a rich console."""
+    console.print(f"{summary['events']:,} events over {summary['seconds']:,.0f} s: {summary['rounds']:,} rounds, "
+                  f"{summary['joins']} joins, {summary['leaves']} leaves")
+    _counts(console, "contributors per round", ("contributors", "rounds"),
+            ((str(n), f"{count:,}") for n, count in summary["contributors_per_round"].items()))
+    _counts(console, "per fragment", ("fragment", "rounds", "mean contributors", "measured H (steps per contribution)"),
+            ((str(p), f"{f['rounds']:,}", f"{f['mean_contributors']:.2f}", f"{f['measured_h']:.1f}")
+             for p, f in summary["fragments"].items()))
+    _counts(console, "staleness of merged contributions (versions behind)", ("staleness", "contributions"),
+            ((str(s), f"{count:,}") for s, count in summary["staleness"].items()))
+    for key, title in (("round_open_seconds", "round open, first push to close"),
+                       ("quorum_seconds", "round open to quorum")):
+        q = summary[key]
+        if q:
+            console.print(f"{title}: median {q['median']:.3f} s, p90 {q['p90']:.3f} s, max {q['max']:.3f} s "
+                          f"({q['count']:,} rounds)")
+    if summary["refusals"]:
+        console.print("refusals: " + ", ".join(f"{k} {v:,}" for k, v in summary["refusals"].items()))
+    for f in summary["faults"]:
+        console.print(f"fault: {f['kind']} {f['target']} at {f['run_seconds']:.0f} s for {f['duration']:.0f} s")

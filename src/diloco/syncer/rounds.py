@@ -1,0 +1,122 @@
+"""Closing a round of one fragment: the merged Δ, the outer step, the ledger's bookkeeping, the durable write and
+the publications (DESIGN §3.4), and how much each contribution counts in weights and shares."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from diloco import codec
+from diloco.config import SyncConfig
+from diloco.merge import token_weight
+from diloco.outer import delayed_nesterov_step, nesterov_step
+from diloco.syncer import downlink
+from diloco.syncer.downlink import Publication
+
+
+def counted_as(tokens: int, steps: int, cfg: SyncConfig) -> tuple[float, float]:
+    """(tokens, steps) a contribution counts for in weights and shares: at most H steps' worth unless
+    `clamp_long_contributions` is off. A learner cut off for long returns with many steps of progress from an old
+    base; counted in full, each such contribution would take most of a round's share, and together they would
+    overshoot the average."""
+    if steps <= cfg.sync_every or not cfg.clamp_long_contributions:
+        return float(tokens), float(steps)
+    return tokens * cfg.sync_every / steps, float(cfg.sync_every)
+
+
+def close(core, index: int, fs, decision: dict | None = None) -> list[Publication]:
+    """Merge the round of fragment `index` of `core` (a SyncerCore), take the outer step, persist, and return the
+    publications; `decision` (what the policy decided on) goes on the tape. Worker thread, called without the
+    lock: it takes it only for the bookkeeping; the arithmetic touches tensors only the worker does."""
+    started = time.monotonic()
+    clock_started = core.clock()
+    params = fs.fragment.role == "params"
+    with core.lock:
+        contributions = list(fs.pending.values())
+        opened_at, quorum_at = fs.opened_at, fs.quorum_at
+        counted = [counted_as(c.tokens, c.steps, core.cfg) for c in contributions]
+        share = (round_share(core, contributions, [t for t, _ in counted])
+                 if core.cfg.scale_partial_rounds and params else 1.0)
+    merging, fs.merging = fs.merging, None
+    # ---- the arithmetic, without the lock
+    delta = merging.result()
+    lossy = core.cfg.down_codec != "fp32"
+    if lossy and fs.published is None:
+        fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
+    if share < 1.0:
+        delta.mul_(share)
+    pending_share = fs.pending_share
+    if not params:  # buffers: their token-weighted mean, Θ − mean(Θ_base − b_m), no outer optimizer
+        fs.theta.sub_(delta)
+    elif core.cfg.delayed_momentum:
+        if fs.pending_delta is None:
+            fs.pending_delta = torch.zeros_like(fs.theta)
+        pending_share = delayed_nesterov_step(fs.theta, delta, fs.momentum, fs.pending_delta, share,
+                                              fs.pending_share, core.cfg.outer_lr, core.cfg.outer_momentum)
+    else:
+        nesterov_step(fs.theta, delta, fs.momentum, core.cfg.outer_lr, core.cfg.outer_momentum)
+    del delta, merging
+    version = fs.version + 1
+    if lossy:
+        downlink.publish_change(fs, version, core.cfg.down_codec)
+    # ---- the bookkeeping, under the lock
+    with core.lock:
+        fs.pending_share = pending_share
+        fs.version = version
+        fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
+        core.rounds += 1
+        for c, (tokens, _) in zip(contributions, counted):
+            record = core.learners[c.learner]
+            key = f"{c.session}:{index}"
+            record.merged_seq[key] = max(c.seq, record.merged_seq.get(key, 0))
+            if not params:
+                continue
+            record.contribution_tokens.update(tokens)
+            record.merged += 1
+            record.tokens_merged += c.tokens / core.cfg.fragments
+            record.data_position = max(record.data_position, c.data_position)  # where merged work ended
+        entry = (round(core.clock() - core.started_at, 4), index, fs.version, len(contributions))
+        core.round_log.append(entry)
+        now = core.clock()
+        core.record_event("round", fragment=index, version=fs.version, share=round(share, 6),
+                    open_seconds=None if opened_at is None else round(now - opened_at, 6),
+                    quorum_seconds=None if opened_at is None or quorum_at is None else round(quorum_at - opened_at, 6),
+                    decision=decision,
+                    contributors=[{"learner": c.learner, "steps": c.steps, "tokens": c.tokens,
+                                   "staleness": fs.version - 1 - c.base_version,
+                                   "weight": token_weight(*counted_c, fs.version - 1 - c.base_version,
+                                                          core.cfg.staleness_decay)}
+                                  for c, counted_c in zip(contributions, counted)])
+        core.recent_rounds.append(entry)
+    # ---- disk and encoding, without the lock (only the worker adds learners or changes fragments)
+    if core.store is not None:
+        core.store.append_round(entry)
+    core.persist([index])  # durable before it is published
+    full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
+    out = [pub for c in contributions for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
+    if core.cfg.publish_to == "live":  # DESIGN §3.4: to every live learner, unasked (seq 0) where it did not push
+        others = sorted(core.live() - {c.learner for c in contributions})
+        out += [pub for lid in others for pub in downlink.publications(core.learners[lid], index, fs, 0, full)]
+    seconds = time.monotonic() - started
+    with core.lock:
+        core.sync_avg.update(core.clock() - clock_started)
+        stats = core.merge_stats
+        stats["count"] += 1
+        stats["total"] += seconds
+        stats["last"] = seconds
+        stats["max"] = max(stats["max"], seconds)
+    if core.on_merge is not None:
+        core.on_merge(seconds)
+    return out
+
+
+def round_share(core, contributions: list, counted: list[float]) -> float:
+    """Tokens in this round over those plus what each live learner missing from it typically brings."""
+    tokens = sum(counted)
+    if tokens <= 0:
+        return 1.0
+    present = {c.learner for c in contributions}
+    fallback = tokens / len(contributions)
+    missing = sum(core.learners[i].contribution_tokens.value or fallback for i in core.live() - present)
+    return tokens / (tokens + missing)
