@@ -28,7 +28,8 @@ from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
 from diloco.merge import StreamingMerge
-from diloco.syncer.core import FragmentState, SyncerCore
+from diloco.syncer.buffers import Buffers
+from diloco.syncer.core import REUSED_FRAGMENTS, FragmentState, SyncerCore
 from diloco.syncer.store import StateStore
 
 
@@ -48,9 +49,10 @@ def merge_figures(numel: int, learners: int, repeats: int) -> dict:
     gb = numel * 4 / 1e9
     out = {"numel": numel, "learners": learners, "memcpy_gb_per_s": gb / median_seconds(lambda: target.copy_(deltas[0]), repeats)}
     segments = [(numel // 2, False), (numel - numel // 2, False)]
+    buffers = Buffers(REUSED_FRAGMENTS * numel * 4)  # as the core: RDA's second sum is reused round after round
     for method in ("rda", "mean"):
         def fold():
-            merge = StreamingMerge(segments, method)
+            merge = StreamingMerge(segments, method, buffers)
             for d in deltas:
                 merge.add(d, 1.0)
             merge.result()

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from diloco.merge import StreamingMerge, merge, rda, token_weight, weighted_mean
+from diloco import merge as merge_module
+from diloco.merge import StreamingMerge, merge, rda, segment_norms, token_weight, weighted_mean
 from diloco.outer import nesterov_step
 
 
@@ -130,3 +131,17 @@ def test_streaming_merge_falls_back_to_the_mean_when_directions_cancel():
     d = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([0.5, 0.0, 0.0])]
     w = [1.0, 1.0, 1e-9]
     torch.testing.assert_close(stream(d, w, [(3, False)], "rda"), merge(d, w, [(3, False)]), rtol=1e-5, atol=1e-7)
+
+
+def test_streaming_merge_folds_in_chunks_and_takes_the_callers_norms(monkeypatch):
+    monkeypatch.setattr(merge_module, "CHUNK", 64)  # several chunks per tensor
+    g = torch.Generator().manual_seed(3)
+    segments = [(200, True), (1000, False), (130, False)]
+    deltas = [torch.randn(1330, generator=g) * (i + 1) for i in range(4)]
+    deltas[1][1200:] = 0.0
+    weights = [2.0, 1.0, 0.5, 3.0]
+    acc = StreamingMerge(segments, "rda")
+    for d, w in zip(deltas, weights):
+        acc.add(d.clone(), w, norms=segment_norms(d, segments))
+    torch.testing.assert_close(acc.result(), merge(deltas, weights, segments, "rda"), rtol=1e-5, atol=1e-6)
+    assert segment_norms(deltas[1], segments)[2] == 0.0

@@ -1,5 +1,7 @@
 """SyncerCore under a fake clock: membership, validation, rounds, staleness, idempotency, downlink."""
 
+import struct
+
 import pytest
 import torch
 
@@ -37,6 +39,13 @@ def push(core, lid, session, seq, fragment=1, value=0.5, base_version=None, step
     return core.push(lid, session, seq, fragment, base, steps, tokens, payload)
 
 
+def block_payload(name, numel, scale):
+    """A well-formed int8/int4 payload (right size and checksum) whose first block scale is `scale`."""
+    data = bytearray(codec.encode(torch.ones(numel), name).data)
+    data[:4] = struct.pack("<f", scale)
+    return codec.Encoded(name, numel, bytes(data), codec.checksum(bytes(data)))
+
+
 def test_join_refuses_a_different_model_naming_the_first_differing_tensor():
     core, _ = make_core()
     wrong = [SPECS[0], TensorSpec("w1", (3, 3), "float32"), SPECS[2]]
@@ -48,6 +57,8 @@ def test_join_refuses_a_different_model_naming_the_first_differing_tensor():
     (lambda p: codec.Encoded(p.codec, p.numel, p.data[:-4] + b"\0\0\0\0", p.checksum), "corrupt payload"),
     (lambda p: codec.encode(torch.full((p.numel,), float("nan")), "fp32"), "non-finite"),
     (lambda p: codec.encode(torch.zeros(p.numel + 1), "fp32"), "bad shape"),
+    (lambda p: block_payload("int4", p.numel, float("nan")), "non-finite"),  # decided from the scales alone
+    (lambda p: block_payload("int8", p.numel, 3e38), "non-finite"),  # finite scale, but 127 × it overflows
 ])
 def test_bad_contributions_are_refused_and_never_merged(mutate, reason):
     core, _ = make_core()
@@ -521,3 +532,23 @@ def test_synchronous_rounds_go_on_without_a_learner_absent_past_the_timeout():
     for lid in "ab":
         core.heartbeat(lid, sessions[lid], step=1)
     assert {p.learner for p in core.poll()} == {"a", "b"}  # the survivors' round closed
+
+
+@pytest.mark.parametrize("down", ["fp32", "int8"])
+def test_a_join_reads_lent_values_which_later_rounds_leave_alone(down):
+    core, _ = make_core(learners=1, grace=0.0, down_codec=down)
+    s = core.join("a", SPECS)
+    push(core, "a", s, 1)
+    core.poll()  # with int8 down, P now differs from Θ: the published copy is what is lent
+    lent = core.snapshot_for_join("a", copy=False)
+    assert all(values is core.fragments[i].values for i, _, values in lent)  # no copy
+    before = [values.clone() for _, _, values in lent]
+    push(core, "a", s, 2)
+    assert core.poll()
+    assert all(torch.equal(values, b) for (_, _, values), b in zip(lent, before))  # the join still sends version 1
+    fs = core.fragments[1]
+    assert fs.version == 2 and not torch.equal(fs.values, before[1]) and not fs.lent
+    push(core, "a", s, 3)
+    values = fs.values
+    core.poll()
+    assert fs.values is values  # nothing lent any more: rounds change the values in place again

@@ -63,6 +63,19 @@ def merge(deltas: list[torch.Tensor], weights: list[float], segments: list[tuple
     return out
 
 
+CHUNK = 1 << 18
+"""Values of a contribution folded into both running sums at a time: read once from memory, then from cache."""
+
+
+def segment_norms(delta: torch.Tensor, segments: list[tuple[int, bool]]) -> list[float]:
+    """‖Δ‖ of every tensor of a flat fragment (`segments` as for `merge`)."""
+    out, offset = [], 0
+    for numel, _ in segments:
+        out.append(torch.linalg.vector_norm(delta[offset : offset + numel]).item())
+        offset += numel
+    return out
+
+
 class StreamingMerge:
     """One open round's merge, kept as running sums so that no contribution's Δ is stored: the result equals
     `merge` over the same contributions up to float rounding (exactly for one contribution).
@@ -71,11 +84,16 @@ class StreamingMerge:
     Weights are taken relative to the first positive one, so the sums stay at Δ's scale however large tokens²/steps
     grows. Until some weight is positive every contribution counts equally (as `merge` does when Σ w = 0); the
     first positive weight restarts the sums, which is exact since zero-weight contributions then count for nothing.
+
+    Speed: a contribution is read once for its norms (which the caller may pass in) and once more for both sums,
+    a cache-sized chunk at a time; the first contribution becomes the running sum without a copy.
     """
 
-    def __init__(self, segments: list[tuple[int, bool]], method: str = "rda"):
+    def __init__(self, segments: list[tuple[int, bool]], method: str = "rda", buffers=None):
+        """`buffers`: where RDA's second running sum comes from and returns to (`syncer.buffers.Buffers`)."""
         if method not in ("rda", "mean"):
             raise ValueError(f"unknown merge method {method!r}; choose rda or mean")
+        self.buffers = buffers
         self.segments = segments
         self.rda = [method == "rda" and not embedding for _, embedding in segments]
         self.count = 0
@@ -84,10 +102,13 @@ class StreamingMerge:
         self.total = 0.0
         self.sum: torch.Tensor | None = None
         self.units: torch.Tensor | None = None
+        """Σ r·unit(Δ) on RDA tensors (other tensors' part of it is unused); made when a second contribution comes."""
         self.norms: list[float] = []
+        self._first_norms: list[float] | None = None
 
-    def add(self, delta: torch.Tensor, weight: float) -> None:
-        """Fold in one contribution; `delta` is taken over (not copied) when it is the first."""
+    def add(self, delta: torch.Tensor, weight: float, norms: list[float] | None = None) -> None:
+        """Fold in one contribution; `delta` is taken over (not copied) when it is the first. `norms`: its
+        `segment_norms`, if the caller has them already."""
         self.count += 1
         if weight > 0 and self.base == 0.0:
             self.base = weight
@@ -96,41 +117,63 @@ class StreamingMerge:
         if r == 0.0:
             return
         if self.sum is None:  # kept as it is: one contribution merges to itself, with no rounding
-            self.sum, self.total = delta, r
+            self.sum, self.total, self._first_norms = delta, r, norms
             return
+        if any(self.rda) and norms is None:
+            norms = segment_norms(delta, self.segments)
         if self.units is None and any(self.rda):
-            self.units, self.norms = torch.zeros_like(self.sum), [0.0] * len(self.segments)
-            self._add_units(self.sum, self.total)  # the first contribution's terms (its sum is r·Δ)
-        self.sum.add_(delta, alpha=r)
+            self._start_units()
         self.total += r
-        if self.units is not None:
-            self._add_units(delta, r)
+        offset = 0
+        for s, (numel, _) in enumerate(self.segments):
+            part = delta[offset : offset + numel]
+            if not self.rda[s]:
+                self.sum[offset : offset + numel].add_(part, alpha=r)
+            else:
+                unit_scale = r / norms[s] if norms[s] > _EPS else 0.0  # unit(0) = 0
+                self.norms[s] += r * norms[s] if unit_scale else 0.0
+                for lo in range(0, numel, CHUNK):
+                    chunk, at = part[lo : lo + CHUNK], offset + lo
+                    self.sum[at : at + chunk.numel()].add_(chunk, alpha=r)
+                    if unit_scale:
+                        self.units[at : at + chunk.numel()].add_(chunk, alpha=unit_scale)
+            offset += numel
 
-    def _add_units(self, delta: torch.Tensor, r: float) -> None:
+    def _start_units(self) -> None:
+        """Σ r·unit(Δ) of the first contribution (its sum is r·Δ, r = total), written without zero-filling."""
+        first = self._first_norms or segment_norms(self.sum, self.segments)
+        numel = self.sum.numel()
+        self.units = self.buffers.take(numel) if self.buffers is not None else torch.empty(numel, dtype=self.sum.dtype)
+        self.norms = [0.0] * len(self.segments)
         offset = 0
         for s, (numel, _) in enumerate(self.segments):
             if self.rda[s]:
-                part = delta[offset : offset + numel]
-                norm = part.norm().item()
-                if norm > _EPS:  # unit(0) = 0
-                    self.units[offset : offset + numel].add_(part, alpha=r / norm)
-                    self.norms[s] += r * norm
+                units = self.units[offset : offset + numel]
+                norm = first[s] * self.total  # ‖r·Δ‖
+                if norm > _EPS:
+                    torch.mul(self.sum[offset : offset + numel], self.total / norm, out=units)
+                    self.norms[s] = norm
+                else:
+                    units.zero_()
             offset += numel
 
     def result(self) -> torch.Tensor:
         """The merged Δ (the running sums are reused for it: call once)."""
         if self.sum is None:
             raise ValueError("nothing to merge")
-        out = self.sum.div_(self.total)  # exact for one contribution (÷ 1)
-        if self.units is None:
-            return out
-        offset = 0
+        out, offset = self.sum, 0
         for s, (numel, _) in enumerate(self.segments):
-            if self.rda[s]:
-                direction = self.units[offset : offset + numel].div_(self.total)
-                length = direction.norm().item()
+            part = out[offset : offset + numel]
+            if self.units is not None and self.rda[s]:
+                direction = self.units[offset : offset + numel]  # total × the mean unit direction
+                length = torch.linalg.vector_norm(direction).item() / self.total
                 if length > 1e-6:  # else the mean direction vanished: keep the weighted mean
-                    out[offset : offset + numel] = direction.mul_(self.norms[s] / self.total / length)
+                    torch.mul(direction, self.norms[s] / self.total / (length * self.total), out=part)
+                    offset += numel
+                    continue
+            part.div_(self.total)  # exact for one contribution (÷ 1)
             offset += numel
+        if self.buffers is not None:
+            self.buffers.give(self.units)
         self.units = None
         return out

@@ -15,6 +15,7 @@ the worker touches. Only the worker adds learners, so it may read the ledger wit
 from __future__ import annotations
 
 import hmac
+import math
 import re
 import secrets
 import threading
@@ -28,10 +29,11 @@ import torch
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
-from diloco.merge import StreamingMerge, token_weight
+from diloco.merge import StreamingMerge, segment_norms, token_weight
 from diloco.policy import Averages, MovingAverage, RoundState, decide
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import downlink, persistence, phase, rounds
+from diloco.syncer.buffers import Buffers
 from diloco.syncer.downlink import Publication
 from diloco.syncer.norm_guard import NormGuard
 from diloco.syncer.store import StateStore
@@ -48,6 +50,8 @@ def check_learner_id(learner_id: str) -> str:
 DEPARTED_KEPT = 4096
 """Records of learners that left or are absent kept at most (oldest forgotten first): ids cost memory."""
 RECENT_ROUNDS = 300
+REUSED_FRAGMENTS = 3
+"""Free fragment-sized buffers kept for reuse, in units of the largest fragment: a round's two sums and a push."""
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 
 
@@ -91,11 +95,29 @@ class FragmentState:
     """(w, encoded P_w − P_{w−1}, CRC-32 of P_w) for the latest versions w: chains for learners a few behind."""
     checksum: tuple[int, int] | None = None
     """(version, CRC-32 of P_version), computed once per version."""
+    lent: bool = False
+    """`values` were handed to joins without a copy (they send them while rounds go on): the next round writes a
+    copy instead of changing them in place (`reclaim`)."""
 
     @property
     def values(self) -> torch.Tensor:
         """P_v: what a learner holding the current version holds."""
         return self.theta if self.published is None else self.published
+
+    def lend(self) -> torch.Tensor:
+        """P_v for a reader outside the core worker: unchanged for as long as the reader holds it."""
+        self.lent = True
+        return self.values
+
+    def reclaim(self) -> None:
+        """Before a round changes the values: leave lent ones to their readers and change a copy (copy on write),
+        so a join costs no copy of the model unless rounds of its fragments close while it streams."""
+        if self.lent:
+            if self.published is None:
+                self.theta = self.theta.clone()
+            else:
+                self.published = self.published.clone()
+            self.lent = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,8 @@ class SyncerCore:
         self.first_join_at: float | None = None
         self.specs: list[TensorSpec] | None = None
         self.fragments: list[FragmentState] = []
+        self.buffers = Buffers()
+        """Decoded pushes and RDA sums, reused (sized by `bound_buffers` once the fragments are known)."""
         self.learners: dict[str, LearnerRecord] = {}
         self.quorum_avg = MovingAverage()
         self.sync_avg = MovingAverage()
@@ -184,8 +208,13 @@ class SyncerCore:
         with self.lock:
             self.specs = list(specs)
             self.fragments = fragments
+        self.bound_buffers()
         self.persist([fs.fragment.index for fs in self.owned])
         return True
+
+    def bound_buffers(self) -> None:
+        """Keep at most REUSED_FRAGMENTS of the largest owned fragment's size free for reuse."""
+        self.buffers.limit_bytes = REUSED_FRAGMENTS * 4 * max((fs.fragment.numel for fs in self.owned), default=0)
 
     def _state_for(self, fragment: Fragment, flat: torch.Tensor) -> "FragmentState":
         """A fragment's state from its initial values; empty for one another shard owns."""
@@ -250,12 +279,14 @@ class SyncerCore:
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
         return session
 
-    def snapshot_for_join(self, learner_id: str) -> list[tuple[int, int, torch.Tensor]]:
-        """(fragment, version, full values P_v) for a joiner, recorded as what it holds. Copies: the caller sends
-        them while later rounds change the fragments in place."""
+    def snapshot_for_join(self, learner_id: str, copy: bool = True) -> list[tuple[int, int, torch.Tensor]]:
+        """(fragment, version, full values P_v) for a joiner, recorded as what it holds. `copy=False` lends the
+        values themselves (`FragmentState.lend`): the gRPC join only reads them, and a round closing meanwhile
+        changes a copy; an in-process learner, which changes what it holds, needs copies."""
         record = self.learners[learner_id]
         record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
-        return [(i, fs.version, fs.values.clone()) for i, fs in enumerate(self.fragments) if self.owns(i)]
+        return [(i, fs.version, fs.values.clone() if copy else fs.lend())
+                for i, fs in enumerate(self.fragments) if self.owns(i)]
 
     def _record(self, learner_id: str, session: str) -> LearnerRecord:
         record = self.learners.get(learner_id)
@@ -395,16 +426,21 @@ class SyncerCore:
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
         staleness = fs.version - base_version
-        per_step = fs.guard.per_step(delta.norm().item(), steps) if fs.guard else 0.0
+        method = self.cfg.merge if fs.fragment.role == "params" else "mean"
+        # one read of Δ gives its norms to the guard and to RDA alike
+        norms = segment_norms(delta, segments(fs.fragment)) if fs.guard or method == "rda" else None
+        per_step = fs.guard.per_step(math.sqrt(sum(n * n for n in norms)), steps) if fs.guard else 0.0
         fragment_norm = self._fragment_norm(fs) if fs.guard else 0.0
         with self.lock:
             if staleness < 0 or staleness > self.cfg.max_staleness:
+                self.buffers.give(delta)
                 record.refused += 1
                 self.refusals["stale"] = self.refusals.get("stale", 0) + 1
                 return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
                                   f"which is at {fs.version}: fetch the current fragment", resync=True)
             outlier = fs.guard.judge(learner_id, per_step, fragment_norm) if fs.guard else None
             if outlier is not None:
+                self.buffers.give(delta)
                 record.refused += 1
                 reason = outlier.split(":")[0]
                 self.refusals[reason] = self.refusals.get(reason, 0) + 1
@@ -422,11 +458,12 @@ class SyncerCore:
             self._outbox.extend(rounds.close(self, fragment, fs, {"reason": "repeat"}))
         c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position)
         if fs.merging is None:
-            method = self.cfg.merge if fs.fragment.role == "params" else "mean"
-            fs.merging = StreamingMerge(segments(fs.fragment), method)
+            fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers)
         # the version cannot change while the round is open, so the weight is the one the round closes with
         fs.merging.add(delta, token_weight(*rounds.counted_as(c.tokens, c.steps, self.cfg), fs.version - base_version,
-                                             self.cfg.staleness_decay))
+                                             self.cfg.staleness_decay), norms)
+        if fs.merging.sum is not delta:  # folded in (not kept as the round's first sum): free for the next push
+            self.buffers.give(delta)
         with self.lock:
             fs.pending[learner_id] = c
             if fs.opened_at is None:
@@ -449,11 +486,14 @@ class SyncerCore:
         if self.cfg.max_steps_ratio and steps > self.cfg.max_steps_ratio * self.cfg.sync_every:
             raise Refused(f"too long unsynchronised: {steps} local steps since the last merge of fragment {fragment} "
                           f"(limit {self.cfg.max_steps_ratio:g}·H); start over from the current values")
+        delta = self.buffers.take(expected)
         try:
-            delta = codec.decode(payload)
+            codec.decode(payload, delta)
         except (codec.CorruptPayload, ValueError) as e:
+            self.buffers.give(delta)
             raise Refused(f"corrupt payload: {e}") from None
-        if not codec.all_finite(delta):
+        if not codec.finite(payload, delta):
+            self.buffers.give(delta)
             raise Refused("non-finite values: the outer gradient contains NaN or Inf")
         return delta
 

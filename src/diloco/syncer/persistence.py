@@ -175,6 +175,7 @@ def restore(core) -> bool:
         fs = FragmentState(fragment, t["theta"], momentum, led["versions"][i], guard=core.norm_guard(fragment))
         fs.pending_delta, fs.pending_share = pending, led["pending_share"][i]
         core.fragments.append(fs)
+    core.bound_buffers()
     core.rounds, core.refusals = led["rounds"], led["refusals"]
     # a crash between appending a round's line and persisting the round leaves a line for a version that was
     # never published; it is produced again after the restart, so the history keeps only what the state holds

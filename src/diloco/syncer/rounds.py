@@ -41,6 +41,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     merging, fs.merging = fs.merging, None
     # ---- the arithmetic, without the lock
     delta = merging.result()
+    fs.reclaim()  # joins streaming the current values keep them as they are
     lossy = core.cfg.down_codec != "fp32"
     if lossy and fs.published is None:
         fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
@@ -56,6 +57,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                                               fs.pending_share, core.cfg.outer_lr, core.cfg.outer_momentum)
     else:
         nesterov_step(fs.theta, delta, fs.momentum, core.cfg.outer_lr, core.cfg.outer_momentum)
+    core.buffers.give(delta)  # the round's sum, used by nothing any more
     del delta, merging
     version = fs.version + 1
     if lossy:

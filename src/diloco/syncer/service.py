@@ -255,7 +255,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                         "its session secret" if request.session else "--allow-takeover")
         try:
             session = await self._core(self.core.join, request.learner_id, specs)
-            snapshot = await self._core(self.core.snapshot_for_join, request.learner_id)
+            snapshot = await self._core(self.core.snapshot_for_join, request.learner_id, False)  # lent, not copied
         except Refused as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         record = self.core.learners[request.learner_id]
@@ -270,10 +270,13 @@ class SyncerService(pb_grpc.SyncerServicer):
         header = pb.JoinHeader(session=session, config_json=self.core.cfg.to_json(), fragments=len(snapshot),
                                data_position=record.data_position, total_bytes=total)
         yield self._count_out(pb.JoinReply(header=header))
-        for index, version, values in snapshot:
-            encoded = await asyncio.to_thread(codec.encode, values, "fp32")  # a copy of the fragment: not on the loop
+        while snapshot:  # each fragment is let go once sent: a join holds at most the values rounds replaced meanwhile
+            index, version, values = snapshot.pop(0)
+            encoded = await asyncio.to_thread(codec.view_fp32, values)  # its checksum, off the loop; no copy
+            del values
             for blob in blobs(index, version, encoded):
                 yield self._count_out(pb.JoinReply(blob=blob))
+            del encoded
         self.wake.set()
 
     @guarded

@@ -47,12 +47,13 @@ def specs_from_proto(specs) -> list[TensorSpec]:
 
 def blobs(fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
           refused: str = "", seq: int = 0) -> Iterator[pb.Blob]:
-    """A payload as a sequence of Blob chunks; the first carries all metadata, later ones repeat it (tiny)."""
+    """A payload as a sequence of Blob chunks; the first carries all metadata, later ones repeat it (tiny). The
+    payload's data may be a memoryview (`codec.view_fp32`): each chunk is copied as it is sent."""
     data = payload.data
     for offset in range(0, max(len(data), 1), CHUNK_BYTES):
         yield pb.Blob(
             fragment=fragment, version=version, codec=payload.codec, numel=payload.numel, total_bytes=len(data),
-            checksum=payload.checksum, offset=offset, data=data[offset : offset + CHUNK_BYTES], full=full,
+            checksum=payload.checksum, offset=offset, data=bytes(data[offset : offset + CHUNK_BYTES]), full=full,
             result_checksum=result_checksum, refused=refused, seq=seq,
         )
 
