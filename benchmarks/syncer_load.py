@@ -6,7 +6,8 @@ The syncer (or --shards syncer processes) runs as `diloco syncer` with the decou
 client uploads the initial model (--params fp32 values in 24 equal tensors); then --learners synthetic learners, all
 asyncio clients in this process, join (each downloads the model, not kept), and each runs the push schedule at
 --steps-per-second: at every step the fragment due is pushed with a pre-encoded int4 outer gradient, on the
-version the syncer's /status last showed, and reads its merged fragments from its update stream. A probe heartbeats every 50 ms and times each reply. Reported: rounds per
+version the syncer's /status last showed, and reads its merged fragments from its update stream. A probe in a
+process of its own heartbeats every 50 ms and times each reply. Reported: rounds per
 second, pushes accepted and refused, p50/p99/max heartbeat latency, the syncers' peak RSS and CPU seconds per
 second.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -134,19 +136,23 @@ async def synthetic_learner(name: str, syncers: list[dict], specs, payloads, ver
         await channel.close()
 
 
-async def heartbeat_probe(syncers: list[dict], specs, until: float, latencies: list[float]) -> None:
-    channel = grpc.aio.insecure_channel(syncers[0]["address"], options=GRPC_OPTIONS)
+def heartbeat_probe(address: str, specs, ready, go, seconds: float, out) -> None:
+    """In a process of its own, so that the clients' event loop does not delay it: join, then heartbeat every
+    50 ms for `seconds` after `go` is set and put the reply times (seconds) on `out`."""
+    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     stub = pb_grpc.SyncerStub(channel)
-    session = None
-    async for reply in stub.Join(pb.JoinRequest(learner_id="probe", specs=specs_to_proto(specs))):
-        if reply.HasField("header"):
-            session = reply.header.session
+    request = pb.JoinRequest(learner_id="probe", specs=specs_to_proto(specs))
+    session = next(r.header.session for r in stub.Join(request) if r.HasField("header"))  # rest of the model: dropped
+    ready.set()
+    go.wait()
+    latencies, until = [], time.monotonic() + seconds
     while time.monotonic() < until:
         started = time.monotonic()
-        await stub.Heartbeat(pb.HeartbeatRequest(learner_id="probe", session=session), timeout=30)
+        stub.Heartbeat(pb.HeartbeatRequest(learner_id="probe", session=session), timeout=30)
         latencies.append(time.monotonic() - started)
-        await asyncio.sleep(0.05)
-    await channel.close()
+        time.sleep(0.05)
+    channel.close()
+    out.put(latencies)
 
 
 async def version_watch(syncers: list[dict], versions: dict, until: float) -> None:
@@ -172,14 +178,23 @@ async def load(syncers, specs, learners: int, rate: float, seconds: float) -> di
     while counts["joined"] < learners:
         await asyncio.sleep(0.2)
     join_seconds = time.monotonic() - joined_at
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    probe = ctx.Process(target=heartbeat_probe, args=(syncers[0]["address"], specs, ready, go, seconds, out), daemon=True)
+    probe.start()
+    while not ready.is_set():
+        await asyncio.sleep(0.2)
     start = time.monotonic()
     figures0 = [proc_figures(s["proc"].pid) for s in syncers]
     rounds0 = sum(status(s)["rounds"] for s in syncers)
+    lag0 = [status(s)["loop_lag_max_seconds"] for s in syncers]
     done0 = counts["accepted"] + counts["refused"]
-    latencies: list[float] = []
-    end = start + seconds
-    await asyncio.gather(heartbeat_probe(syncers, specs, end, latencies), version_watch(syncers, versions, end))
+    go.set()
+    await version_watch(syncers, versions, start + seconds)
+    latencies = await asyncio.to_thread(out.get, True, 120)
+    probe.join(10)
     elapsed = time.monotonic() - start
+    lag = [status(s)["loop_lag_max_seconds"] for s in syncers]
     rounds = sum(status(s)["rounds"] for s in syncers) - rounds0
     figures = [proc_figures(s["proc"].pid) for s in syncers]
     pushes = counts["accepted"] + counts["refused"] - done0
@@ -193,6 +208,8 @@ async def load(syncers, specs, learners: int, rate: float, seconds: float) -> di
         "counts": counts, "heartbeat_p50_ms": 1e3 * statistics.median(lat),
         "heartbeat_p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))], "heartbeat_max_ms": 1e3 * lat[-1],
         "heartbeats": len(lat), "syncer_peak_rss_bytes": [rss for rss, _ in figures],
+        # the largest lag of each syncer's event loop before the window (joins) and over the whole run
+        "syncer_loop_lag_max_ms_joins": [1e3 * a for a in lag0], "syncer_loop_lag_max_ms": [1e3 * b for b in lag],
         "syncer_cpu_per_second": [(cpu - cpu0) / elapsed for (_, cpu), (_, cpu0) in zip(figures, figures0)],
     }
 
