@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
+from diloco.syncer import annotations
 from liveness import wait_for
 
 
@@ -65,7 +66,7 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         assert kind.startswith("text/html") and get(port, "/dashboard")[1] == page
         assert 'fetch("status"' in page  # relative: works behind a path prefix and through an SSH tunnel
         assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing loaded from elsewhere (no CDN)
-        for panel in ("learners", "versions", "participation", "tokens", "loss", "timing", "refusals"):
+        for panel in ("learners", "versions", "participation", "tokens", "loss", "timing", "refusals", "faults"):
             assert f'id="{panel}"' in page
         learner = trained_learner(syncer.address, "a", pause=0.02)
         def shown():
@@ -78,11 +79,20 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         entry = next(x for x in status["learners"] if x["id"] == "a")
         assert entry["staleness"] >= 0 and entry["last_push_ago"] is not None and entry["loss"] is not None
         assert 0 < status["budget_progress"] < 1  # of the 600 s duration
+        http = f"127.0.0.1:{port}"  # what `diloco run` posts: its evaluator's losses and its chaos harness's faults
+        assert annotations.post(http, {"kind": "eval", "loss": 2.75, "seconds": 3.0, "tokens_trained": 100}) is None
+        assert annotations.post(http, {"kind": "fault", "event": "start", "fault": "kill", "target": "learner-1",
+                                       "seconds": 4.0, "duration": 20.0}) is None
+        wait_for(lambda: json.loads(get(port, "/status")[1])["faults"], timeout=10)
+        status = json.loads(get(port, "/status")[1])
+        assert status["global_eval"][-1]["loss"] == 2.75 and status["faults"][-1]["target"] == "learner-1"
         if shutil.which("node"):  # the page's script, run on this status with a stand-in for the browser's DOM
             shown = render_in_node(page, status)
             assert '<td>a</td><td class="live">live</td>' in shown["learners"]
             assert shown["versions"].count("<rect") == 2 and "<path" in shown["participation"]
             assert "<path" in shown["loss"] and "healthy" in shown["health"] and shown["error"] == ""
+            assert "global (held-out)" in shown["loss"] and "<b>2.750</b><span>global held-out loss</span>" in shown["figures"]
+            assert "<td>kill</td><td>learner-1</td><td>20.0 s</td>" in shown["faults"]
         learner.close()
     finally:
         syncer.stop()
@@ -105,6 +115,8 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
         port = syncer.status["http_port"]
         learner = trained_learner(syncer.address, "browser-test")
         learner.finish()  # nothing moves any more: the page and /status must agree
+        annotations.post(f"127.0.0.1:{port}", {"kind": "fault", "event": "end", "fault": "hang", "target": "syncer",
+                                               "seconds": 9.5, "duration": 3.0})
         wait_for(lambda: [x["state"] for x in json.loads(get(port, "/status")[1])["learners"]] == ["left"], timeout=20)
         status = json.loads(get(port, "/status")[1])
         dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
@@ -113,5 +125,6 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
         assert "browser-test" in dom and '<td class="left">left</td>' in dom
         assert f"<b>{status['rounds']:,}</b><span>rounds</span>" in dom
         assert dom.count("<rect") >= 2 and '<span id="error"></span>' in dom  # every poll succeeded
+        assert "<td>end</td><td>hang</td><td>syncer</td>" in dom
     finally:
         syncer.stop()

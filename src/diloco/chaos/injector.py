@@ -21,9 +21,11 @@ class Cluster(Protocol):
 class Injector:
     """Call `tick(t)` with the seconds since training started; faults start and end on those ticks."""
 
-    def __init__(self, faults: list[Fault], cluster: Cluster, tape=None):
-        """`tape`: a syncer/tape.Tape that gets a `fault` event as each fault starts and a `fault_end` as it ends."""
+    def __init__(self, faults: list[Fault], cluster: Cluster, tape=None, on_event=None):
+        """`tape`: a syncer/tape.Tape that gets a `fault` event as each fault starts and a `fault_end` as it ends.
+        `on_event(event, t, fault)`: told the same, just before a fault starts and just after it ends."""
         self.tape = tape
+        self.on_event = on_event
         self.pending = list(faults)
         self.cluster = cluster
         self.active: list[tuple[float, Fault]] = []  # (end time, fault)
@@ -36,8 +38,12 @@ class Injector:
                 self.active.remove((end, fault))
                 self._end(fault)
                 self._record("fault_end", t, fault)
+                if self.on_event:
+                    self.on_event("end", t, fault)
         while self.pending and self.pending[0].at <= t:
             fault = self.pending.pop(0)
+            if self.on_event:  # before: a crashing syncer still hears of its own fault
+                self.on_event("start", t, fault)
             self._start(fault)
             self.active.append((t + fault.duration, fault))
             self.timeline.append({"start": round(t, 3), "end": round(t + fault.duration, 3), "kind": fault.kind,

@@ -19,7 +19,9 @@ from diloco.run.cluster import ClusterError, LocalCluster, with_signal
 from diloco.run.cli import parse_speeds
 from diloco.run.pacing import auto_pace, parse_pace
 from diloco.run.display import progress_table
+from diloco.run.live_eval import LiveEval
 from diloco.run.report import build_report, print_summary
+from diloco.syncer import annotations
 from diloco.train.config import ModelConfig, TrainConfig
 from diloco.train.loop import train_config_to_json
 
@@ -265,9 +267,19 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
         from diloco.syncer.tape import Tape
 
         tape = Tape(plan.out / "faults.jsonl")
-    injector = Injector(faults, cluster, tape)
+
+    def announce(event: str, t: float, fault) -> None:  # the fault on every shard's dashboard
+        note = {"kind": "fault", "event": event, "fault": fault.kind, "target": fault.target, "seconds": round(t, 3),
+                "duration": fault.duration}
+        for port in cluster.http_ports:
+            annotations.post(f"127.0.0.1:{port}", note, timeout=1.0)
+
+    injector = Injector(faults, cluster, tape, on_event=announce)
+    live = None
     try:
         cluster.start()
+        if n == 1:  # the global model's held-out loss on the dashboard as snapshots appear (shards: after the run)
+            live = LiveEval(plan.train, syncer_dir / "snapshots", plan.out, cluster.http_ports).start()
         if progress.enabled:
             progress.console.print(
                 f"syncer{' shards' if n > 1 else ''} on {cluster.address}; add a learner with `diloco learner "
@@ -295,6 +307,8 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
     except ClusterError as e:
         raise RunFailed(str(e)) from None
     finally:
+        if live is not None:
+            live.stop()
         cluster.shutdown()
         if tape is not None:
             tape.close()

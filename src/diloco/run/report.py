@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors import safe_open
 
-from diloco.run import accounting
+from diloco.run import accounting, live_eval
 from diloco.run.display import human_bytes
 from diloco.train.data import Corpus, eval_batches, evaluate, sample_text
 from diloco.train.model import build_model, count_parameters
@@ -91,10 +91,12 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
     corpus = Corpus.from_config(train)
     batches = eval_batches(corpus.heldout, train.model.seq_len, train.eval_batches, train.eval_batch_size)
     curve = [{"seconds": 0.0, "tokens_trained": 0, "tokens_merged": 0, "eval_loss": evaluate(model, batches)}]
+    known = live_eval.cached(out)  # snapshots already evaluated during the run
     for path in sorted((model_dir / "snapshots").glob("*.safetensors")):
         meta = load_params(model, path)
+        loss = known[path.name] if path.name in known else evaluate(model, batches)
         curve.append({"seconds": float(meta.get("seconds", 0)), "tokens_trained": int(float(meta.get("tokens_trained", 0))),
-                      "tokens_merged": float(meta.get("tokens_merged", 0)), "eval_loss": evaluate(model, batches)})
+                      "tokens_merged": float(meta.get("tokens_merged", 0)), "eval_loss": loss})
     final_path = model_dir / "model.safetensors"
     load_params(model, final_path)
     final_loss = evaluate(model, batches)

@@ -20,6 +20,7 @@ import grpc
 
 from diloco.atomic import save_tensors, write_json
 from diloco.config import SyncConfig
+from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
@@ -156,11 +157,49 @@ def dashboard_html() -> bytes:
     return resources.files("diloco.syncer").joinpath("dashboard.html").read_bytes()
 
 
-def _http_server(address: str, service: SyncerService, status: dict, tokens: list[str]) -> ThreadingHTTPServer:
+def annotate_authorized(client_host: str, authorization: str | None, run_token: str) -> bool:
+    """May this request post an annotation? With a run token, only who presents it (even on loopback: it is a
+    write); without one (a loopback-only syncer), loopback clients."""
+    if not run_token:
+        return is_loopback(f"{client_host}:0")
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), run_token.encode())
+
+
+def _http_server(address: str, service: SyncerService, status: dict, tokens: list[str],
+                 annotations: Annotations | None = None) -> ThreadingHTTPServer:
     host, port = address.rsplit(":", 1)
 
     class Handler(BaseHTTPRequestHandler):
         timeout = HTTP_TIMEOUT  # a slow or silent client cannot hold its thread forever
+
+        def _reply(self, code: int, body: bytes, kind: str = "text/plain") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            if self.path.split("?", 1)[0] != "/annotate" or annotations is None:
+                self._reply(404, b"POST only /annotate\n")
+                return
+            if not annotate_authorized(self.client_address[0], self.headers.get("Authorization"), tokens[0]):
+                self._reply(401, b"POST /annotate needs Authorization: Bearer <--token> (loopback without a token)\n")
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or -1)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY:
+                self._reply(413 if length > MAX_BODY else 411, f"need a Content-Length of at most {MAX_BODY}\n".encode())
+                return
+            try:
+                note = annotations.add(self.rfile.read(length))
+            except ValueError as e:
+                self._reply(400, f"refused: {e}\n".encode())
+                return
+            self._reply(200, json.dumps(note).encode(), "application/json")
 
         def do_GET(self):  # noqa: N802 (http.server's naming)
             if not http_authorized(self.client_address[0], self.headers.get("Authorization"), tokens):
@@ -234,7 +273,9 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         raise OSError(f"cannot listen on {opts.listen}: {e} (is another syncer running there?)") from None
     await server.start()
     status: dict = {}
-    http = _http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""]) if opts.http else None
+    service.annotations = Annotations(tape=core.tape)
+    http = (_http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""], service.annotations)
+            if opts.http else None)
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
     log.info("syncer listening on %s (gRPC port %d%s, HTTP %s), mode %s", opts.listen, port,
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)

@@ -62,6 +62,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         """Calls handed to the core worker (written on the event loop only)."""
         self._started = 0
         """Calls the core worker began (written on the worker only): _submitted − _started are waiting."""
+        self.annotations = None
+        """Held-out losses and faults posted to the HTTP server (`annotations.Annotations`), shown in the status."""
         self.loop_lag = {"last": 0.0, "max": 0.0}
         """How late a 0.1 s sleep on the event loop woke up, latest and largest (`watch_loop_lag`)."""
         core.on_merge = metrics.merge_seconds.observe
@@ -113,7 +115,8 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     async def status(self) -> dict:
         """SyncerCore.status plus `stats`, without waiting for the core worker (a merge in progress)."""
-        return {**await self._ledger(self.core.status), **self.stats()}
+        notes = self.annotations.status() if self.annotations is not None else {}
+        return {**await self._ledger(self.core.status), **self.stats(), **notes}
 
     async def watch_loop_lag(self, interval: float = 0.1) -> None:
         """Measure, until cancelled, how late the event loop wakes from a sleep of `interval`: anything run on the
