@@ -87,10 +87,11 @@ def test_replay_reproduces_every_round_decision_and_weight_and_finds_a_changed_p
     payload = codec.encode(torch.full((n,), 0.1), "fp32")
     for seq in (1, 2, 3):
         core.push("a", sessions["a"], seq, 1, core.fragments[1].version, 6, 60, payload)
+        assert core.poll() == []  # quorum (K = 1): the grace window opens, as a real syncer polls after a push
         clock.now += 0.4
         assert core.poll() == []  # the grace window is open
         core.push("b", sessions["b"], seq, 1, core.fragments[1].version - (seq == 3), 18, 180, payload)  # 3H steps
-        clock.now += 1.5
+        clock.now += 0.6
         assert core.poll()  # the window (1 s from quorum at the first poll) ended without c
     core.push("c", sessions["c"], 1, 1, core.fragments[1].version, 6, 60, payload)
     core.poll(force=True)
@@ -112,3 +113,11 @@ def test_replay_reproduces_every_round_decision_and_weight_and_finds_a_changed_p
     assert main(["replay", str(tmp_path / "unclamped.jsonl")]) == 1
     out = capsys.readouterr().out
     assert "b's weight 1800; the syncer used 600" in out and "3 differences" in out
+    # and against a shorter grace window: each round would have closed before b arrived
+    start = json.loads(lines[0])
+    start["config"]["grace"] = 0.2
+    (tmp_path / "short.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+    assert main(["replay", str(tmp_path / "short.jsonl")]) == 1
+    out = capsys.readouterr().out
+    assert "would have closed 0.800 s earlier" in out and "with 1 of 2 contributors (grace window ended)" in out
+    assert "3 differences" in out

@@ -158,7 +158,9 @@ def cmd_replay(args) -> int:
 
     if not args.tape.exists():
         raise UserError(f"no tape at {args.tape}: a syncer started with --state DIR writes DIR/tape.jsonl")
-    replayed, differences = replay(read(args.tape))
+    if not args.slack >= 0:
+        raise UserError(f"--slack must be ≥ 0 seconds, got {args.slack}")
+    replayed, differences = replay(read(args.tape), args.slack)
     for d in differences[:50]:
         print(f"fragment {d.fragment} version {d.version}: {d.what}")
     if len(differences) > 50:
@@ -381,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Replay the round policy and the merge weights of every round a syncer's event "
                                    "tape recorded, and report where this code decides differently (exit code 1).")
     p.add_argument("tape", type=Path, help="tape.jsonl (rotated tape.jsonl.N files beside it are read too)")
+    p.add_argument("--slack", type=float, default=0.5, metavar="SECONDS",
+                   help="report a round this code would have closed earlier only when earlier by more than this "
+                        "(the syncer's wake-up latency on a busy machine; default 0.5)")
     p.set_defaults(func=cmd_replay)
 
     from diloco.chaos import cli as chaos_cli

@@ -68,6 +68,8 @@ class Contribution:
     steps: int
     tokens: int
     data_position: int
+    arrived_at: float | None = None
+    """Clock time the push was accepted (the tape records it: a replay can ask when a round could have closed)."""
 
 
 @dataclass
@@ -88,6 +90,8 @@ class FragmentState:
     """The open round's running sums: pending contributions' Δ are folded in as they arrive, never stored."""
     opened_at: float | None = None
     quorum_at: float | None = None
+    at_quorum: dict | None = None
+    """The policy's inputs when the round reached quorum (averages, predicted pushes), for the tape."""
     published: torch.Tensor | None = None
     """P_v, what every learner that received version v holds, kept only when a lossy down codec makes it differ
     from Θ (None: P_v is Θ)."""
@@ -456,7 +460,7 @@ class SyncerCore:
             # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
             # to take it out again; docs/architecture.md, Syncer memory)
             self._outbox.extend(rounds.close(self, fragment, fs, {"reason": "repeat"}))
-        c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position)
+        c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, self.clock())
         if fs.merging is None:
             fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers)
         # the version cannot change while the round is open, so the weight is the one the round closes with
@@ -529,15 +533,17 @@ class SyncerCore:
                     continue
                 quorum_before = fs.quorum_at
                 d, expected = self._decide(index, fs, live, avg, now)
+                t = lambda x: None if x is None else round(x - self.started_at, 6)  # noqa: E731
                 if d.quorum_at is not None and fs.quorum_at is None:
                     fs.quorum_at = d.quorum_at
                     self.quorum_avg.update(d.quorum_at - fs.opened_at)
+                    # the inputs its grace window was first set from, before later contributors left `expected`
+                    fs.at_quorum = {"averages": vars(avg), "expected": {k: t(v) for k, v in expected.items()}}
                 if d.close or force:
-                    t = lambda x: None if x is None else round(x - self.started_at, 6)  # noqa: E731
                     # what the policy decided on: the tape can replay it (syncer/replay.py)
                     inputs = {"reason": d.reason if d.close else "forced", "now": t(now), "opened_at": t(fs.opened_at),
                               "quorum_at": t(quorum_before), "live": sorted(live), "averages": vars(avg),
-                              "expected": {k: t(v) for k, v in expected.items()}}
+                              "expected": {k: t(v) for k, v in expected.items()}, "at_quorum": fs.at_quorum}
                     closing.append((index, fs, inputs))
         for index, fs, inputs in closing:
             out.extend(rounds.close(self, index, fs, inputs))

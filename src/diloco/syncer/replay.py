@@ -4,7 +4,13 @@ see where this code would decide differently from the syncer that wrote the tape
 Every `round` event of the tape carries the policy's inputs at its close (contributors, open and quorum times,
 live learners, moving averages, predicted pushes) and each contributor's counters and weight; the run's
 configuration is in the `start` event. Closes forced at shutdown or by a learner's second push are not policy
-decisions and are only counted."""
+decisions and are only counted.
+
+Each contributor's arrival time is recorded too, so the replay also asks whether this code would have closed a
+round *earlier*: it evaluates the policy at every arrival and at every deadline the policy names in between, with
+the live learners recorded at the close and the moving averages and predicted pushes recorded when the round
+reached quorum (what its grace window was first set from). An earlier close by more than `slack` seconds (the
+syncer's wake-up latency, and the moving averages' drift during the round) is a difference."""
 
 from __future__ import annotations
 
@@ -24,7 +30,35 @@ class Difference:
     what: str
 
 
-def replay(events: list[dict]) -> tuple[int, list[Difference]]:
+SLACK = 0.5
+"""Seconds by which a replayed close must come before the recorded one to count as a difference."""
+
+
+def earliest_close(contributors: list[dict], decision: dict, cfg: SyncConfig) -> tuple[float, int, str] | None:
+    """(time, contributors then, reason) of the first moment this code's policy closes the round, from the
+    contributors' arrival times; None when that is not before the recorded close, or arrivals were not recorded."""
+    arrivals = sorted((c["at"], c["learner"]) for c in contributors if c.get("at") is not None)
+    if not arrivals or len(arrivals) != len(contributors):
+        return None
+    policy, live = cfg.policy(), frozenset(decision["live"])
+    inputs = decision.get("at_quorum") or decision  # as the grace window was first set, when recorded
+    avg, expected, closed = Averages(**inputs["averages"]), inputs["expected"], decision["now"]
+    present: set[str] = set()
+    quorum_at = None
+    for i, (at, learner) in enumerate(arrivals):
+        present.add(learner)
+        if quorum_at is None and len(present) >= policy.quorum:
+            quorum_at = at
+        until = arrivals[i + 1][0] if i + 1 < len(arrivals) else closed
+        d = decide(RoundState(frozenset(present), decision["opened_at"], quorum_at), live, avg, at, policy, expected)
+        when = at if d.close else d.wake_at if d.wake_at is not None and d.wake_at < until else None
+        if when is not None and when < closed:
+            reason = d.reason if d.close else "grace window ended"
+            return when, len(present), reason
+    return None
+
+
+def replay(events: list[dict], slack: float = SLACK) -> tuple[int, list[Difference]]:
     """(rounds replayed, where this code differs). Raises ValueError when the tape has no configuration."""
     cfg = None
     replayed, differences = 0, []
@@ -49,6 +83,12 @@ def replay(events: list[dict]) -> tuple[int, list[Difference]]:
             elif d.reason != decision["reason"]:
                 differences.append(Difference(fragment, version, f"closes because {d.reason}; the syncer: "
                                                                  f"{decision['reason']}"))
+            early = earliest_close(contributors, decision, cfg)
+            if early is not None and early[0] < decision["now"] - slack:
+                differences.append(Difference(fragment, version, (
+                    f"would have closed {decision['now'] - early[0]:.3f} s earlier, at {early[0]:.3f} s with "
+                    f"{early[1]} of {len(contributors)} contributors ({early[2]}); the syncer closed at "
+                    f"{decision['now']:.3f} s")))
         for c in contributors:
             if "weight" not in c:
                 continue

@@ -66,7 +66,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     with core.lock:
         fs.pending_share = pending_share
         fs.version = version
-        fs.pending, fs.opened_at, fs.quorum_at = {}, None, None
+        fs.pending, fs.opened_at, fs.quorum_at, fs.at_quorum = {}, None, None, None
         core.rounds += 1
         for c, (tokens, _) in zip(contributions, counted):
             record = core.learners[c.learner]
@@ -86,6 +86,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                     quorum_seconds=None if opened_at is None or quorum_at is None else round(quorum_at - opened_at, 6),
                     decision=decision,
                     contributors=[{"learner": c.learner, "steps": c.steps, "tokens": c.tokens,
+                                   "at": None if c.arrived_at is None else round(c.arrived_at - core.started_at, 6),
                                    "staleness": fs.version - 1 - c.base_version,
                                    "weight": token_weight(*counted_c, fs.version - 1 - c.base_version,
                                                           core.cfg.staleness_decay)}
