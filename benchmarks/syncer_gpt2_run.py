@@ -1,0 +1,167 @@
+"""A real run of GPT-2 124M learners against one syncer process: the syncer's memory and how fast it answers.
+
+    python benchmarks/syncer_gpt2_run.py --learners 4 --steps 30 --json runs/gpt2-run.json
+
+`diloco syncer` runs with the decoupled defaults (P = 24, H = 24, int4 up, int8 down) in its own process; each
+learner is a process training transformers' GPT2LMHeadModel(GPT2Config()) (124.4M parameters, 475 MiB in fp32) on
+random token ids, batch 1×64, one torch thread, for --steps steps (`Learner.finish()` then pushes every fragment's
+remaining progress). A probe process heartbeats every 100 ms from the first join to the end and times each reply.
+Reported: the syncer's peak RSS (VmHWM) over the fp32 model, the probe's heartbeat latency (p50, p99, max), the
+syncer's own event-loop lag and longest merge, rounds, and each learner's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+BATCH, SEQ_LEN = 1, 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config())
+
+
+def learner(address: str, name: str, steps: int, seed: int, out) -> None:
+    import torch
+
+    from diloco import GrpcTransport, Learner
+
+    torch.set_num_threads(1)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    learner = Learner(model, GrpcTransport(address, stall_timeout=300.0, connect_timeout=600.0), name)
+    tokens = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        rows = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN), generator=tokens)
+        loss = model(input_ids=rows, labels=rows).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        learner.step(tokens=BATCH * SEQ_LEN, loss=loss.item())
+        times.append(time.perf_counter() - started)
+    learner.finish()
+    out.put({"learner": name, "step_seconds_median": statistics.median(times), "pushes": learner.pushes,
+             "applied": learner.applied})
+
+
+def probe(address: str, http_port: int, stop, out) -> None:
+    """Heartbeats every 100 ms as a learner that trains nothing; joins once the model is there (so that it is never
+    the one asked for the initial model)."""
+    import grpc
+
+    from diloco.fragments import tensor_specs
+    from diloco.wire import diloco_pb2 as pb
+    from diloco.wire import diloco_pb2_grpc as pb_grpc
+    from diloco.wire.messages import GRPC_OPTIONS, specs_to_proto
+
+    specs = tensor_specs(build())
+    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    stub = pb_grpc.SyncerStub(channel)
+    while not stop.is_set():
+        try:
+            if status(http_port).get("initialized"):
+                break
+        except OSError:
+            pass  # not up yet
+        time.sleep(1.0)
+    session = None
+    for reply in stub.Join(pb.JoinRequest(learner_id="probe", specs=specs_to_proto(specs))):
+        if reply.HasField("header"):
+            session = reply.header.session  # the rest (the model) is read and dropped
+    latencies = []
+    while not stop.is_set():
+        started = time.monotonic()
+        stub.Heartbeat(pb.HeartbeatRequest(learner_id="probe", session=session), timeout=60)
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.1)
+    channel.close()
+    out.put(latencies)
+
+
+def vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def status(http_port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30, help="training steps per learner")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    model_bytes = 4 * sum(x.numel() for x in build().parameters())
+    grpc_port, http_port = free_port(), free_port()
+    address = f"127.0.0.1:{grpc_port}"
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--listen", address, "--http",
+                                   f"127.0.0.1:{http_port}", "--state", str(Path(folder) / "syncer"),
+                                   "--learners", str(args.learners)],
+                                  stdout=subprocess.DEVNULL, stderr=open(Path(folder) / "syncer.log", "w"))
+        try:
+            out, stop = ctx.Queue(), ctx.Event()
+            started = time.monotonic()
+            workers = [ctx.Process(target=learner, args=(address, f"gpt2-{i}", args.steps, i, out))
+                       for i in range(args.learners)]
+            for w in workers:
+                w.start()
+            prober = ctx.Process(target=probe, args=(address, http_port, stop, out))
+            prober.start()
+            results = [out.get(timeout=7200) for _ in workers]
+            stop.set()
+            latencies = out.get(timeout=120)
+            for w in [*workers, prober]:
+                w.join(60)
+            seconds = time.monotonic() - started
+            final = status(http_port)
+            peak = vm_hwm(syncer.pid)
+        finally:
+            syncer.terminate()
+            syncer.wait(120)
+    lat = sorted(latencies)
+    result = {
+        "learners": args.learners, "steps": args.steps, "seconds": seconds, "model_bytes": model_bytes,
+        "syncer_peak_rss_bytes": peak, "syncer_peak_rss_over_model": peak / model_bytes,
+        "heartbeats": len(lat), "heartbeat_p50_ms": 1e3 * statistics.median(lat),
+        "heartbeat_p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))], "heartbeat_max_ms": 1e3 * lat[-1],
+        "syncer_loop_lag_max_ms": 1e3 * final.get("loop_lag_max_seconds", 0.0),
+        "merge_seconds_max": final.get("merge_seconds", {}).get("max"), "rounds": final.get("rounds"),
+        "per_learner": sorted(results, key=lambda r: r["learner"]),
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
