@@ -98,26 +98,23 @@ def test_replay_reproduces_every_round_decision_and_weight_and_finds_a_changed_p
     tape.close()
     assert main(["replay", str(tmp_path / "tape.jsonl")]) == 0
     assert "4 rounds replayed, 0 differences" in capsys.readouterr().out
-    # the same tape against another policy: a quorum of 3 would have kept waiting
     lines = (tmp_path / "tape.jsonl").read_text().splitlines()
-    start = json.loads(lines[0])
-    start["config"]["quorum"] = 3
-    (tmp_path / "other.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
-    assert main(["replay", str(tmp_path / "other.jsonl")]) == 1
-    out = capsys.readouterr().out
+
+    def replay_with(**changes) -> str:
+        """The replay's output for the same tape under a configuration with `changes` (it must differ)."""
+        start = json.loads(lines[0])
+        start["config"].update(changes)
+        (tmp_path / "changed.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+        assert main(["replay", str(tmp_path / "changed.jsonl")]) == 1
+        return capsys.readouterr().out
+
+    # another policy: a quorum of 3 would have kept waiting
+    out = replay_with(quorum=3)
     assert "would still wait (waiting for quorum (2/3))" in out and "3 differences" in out
-    # and against another weighting: the 3H-step contribution counted in full (the paper's tokens²/steps)
-    start = json.loads(lines[0])
-    start["config"]["clamp_long_contributions"] = False
-    (tmp_path / "unclamped.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
-    assert main(["replay", str(tmp_path / "unclamped.jsonl")]) == 1
-    out = capsys.readouterr().out
+    # another weighting: the 3H-step contribution counted in full (the paper's tokens²/steps)
+    out = replay_with(clamp_long_contributions=False)
     assert "b's weight 1800; the syncer used 600" in out and "3 differences" in out
-    # and against a shorter grace window: each round would have closed before b arrived
-    start = json.loads(lines[0])
-    start["config"]["grace"] = 0.2
-    (tmp_path / "short.jsonl").write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
-    assert main(["replay", str(tmp_path / "short.jsonl")]) == 1
-    out = capsys.readouterr().out
+    # a shorter grace window: each round would have closed before b arrived
+    out = replay_with(grace=0.2)
     assert "would have closed 0.800 s earlier" in out and "with 1 of 2 contributors (grace window ended)" in out
     assert "3 differences" in out
