@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -35,6 +35,7 @@ from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import downlink, persistence, phase, rounds
 from diloco.syncer.buffers import Buffers
 from diloco.syncer.downlink import Publication
+from diloco.syncer.fragment_state import Contribution, FragmentState
 from diloco.syncer.norm_guard import NormGuard
 from diloco.syncer.store import StateStore
 
@@ -57,71 +58,6 @@ ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fas
 
 class Refused(Exception):
     """A request the syncer will not honour; the message says why and what to do."""
-
-
-@dataclass
-class Contribution:
-    learner: str
-    session: str
-    seq: int
-    base_version: int
-    steps: int
-    tokens: int
-    data_position: int
-    arrived_at: float | None = None
-    """Clock time the push was accepted (the tape records it: a replay can ask when a round could have closed)."""
-
-
-@dataclass
-class FragmentState:
-    fragment: Fragment
-    theta: torch.Tensor
-    momentum: torch.Tensor
-    version: int = 0
-    pending_delta: torch.Tensor | None = None
-    """Σ of partial rounds' Δ since the momentum last advanced (delayed momentum)."""
-    pending_share: float = 0.0
-    guard: NormGuard | None = None
-    """The outlier bounds contributions are judged against (None: the fragment is not a parameter fragment)."""
-    norm_at: tuple[int, float] | None = None
-    """(version, ‖P_version‖), computed once per version for the outlier ceiling."""
-    pending: dict[str, Contribution] = field(default_factory=dict)
-    merging: StreamingMerge | None = None
-    """The open round's running sums: pending contributions' Δ are folded in as they arrive, never stored."""
-    opened_at: float | None = None
-    quorum_at: float | None = None
-    at_quorum: dict | None = None
-    """The policy's inputs when the round reached quorum (averages, predicted pushes), for the tape."""
-    published: torch.Tensor | None = None
-    """P_v, what every learner that received version v holds, kept only when a lossy down codec makes it differ
-    from Θ (None: P_v is Θ)."""
-    changes: deque = field(default_factory=deque)
-    """(w, encoded P_w − P_{w−1}, CRC-32 of P_w) for the latest versions w: chains for learners a few behind."""
-    checksum: tuple[int, int] | None = None
-    """(version, CRC-32 of P_version), computed once per version."""
-    lent: bool = False
-    """`values` were handed to joins without a copy (they send them while rounds go on): the next round writes a
-    copy instead of changing them in place (`reclaim`)."""
-
-    @property
-    def values(self) -> torch.Tensor:
-        """P_v: what a learner holding the current version holds."""
-        return self.theta if self.published is None else self.published
-
-    def lend(self) -> torch.Tensor:
-        """P_v for a reader outside the core worker: unchanged for as long as the reader holds it."""
-        self.lent = True
-        return self.values
-
-    def reclaim(self) -> None:
-        """Before a round changes the values: leave lent ones to their readers and change a copy (copy on write),
-        so a join costs no copy of the model unless rounds of its fragments close while it streams."""
-        if self.lent:
-            if self.published is None:
-                self.theta = self.theta.clone()
-            else:
-                self.published = self.published.clone()
-            self.lent = False
 
 
 @dataclass(frozen=True)
