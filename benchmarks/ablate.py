@@ -44,16 +44,22 @@ SETTINGS = {
 
 
 def configurations(mechanisms: list[str], include: str) -> dict[str, list[str]]:
-    """Name → extra flags: the paper preset, paper + each mechanism, the defaults, defaults − each mechanism."""
+    """Name → extra flags: the paper preset, paper + each mechanism, the defaults, defaults − each mechanism.
+
+    A mechanism written "a+b" is several mechanisms put on (or taken off) together.
+    """
+    def flags(combined: str, which: int) -> list[str]:
+        return [f for m in combined.split("+") for f in MECHANISMS[m][which]]
+
     out = {}
     if include in ("all", "paper"):
         out["paper"] = ["--preset", "paper"]
         for m in mechanisms:
-            out[f"paper + {m}"] = ["--preset", "paper", *MECHANISMS[m][0]]
+            out[f"paper + {m}"] = ["--preset", "paper", *flags(m, 0)]
     if include in ("all", "default"):
         out["default"] = []
         for m in mechanisms:
-            out[f"default − {m}"] = MECHANISMS[m][1]
+            out[f"default − {m}"] = flags(m, 1)
     return out
 
 
@@ -108,7 +114,8 @@ def main() -> None:
     p.add_argument("--pace", type=float, help="seconds per step at speed 1 (default: measured once, as --pace auto)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--settings", default="equal,hetero", help=f"comma-separated: {', '.join(SETTINGS)}")
-    p.add_argument("--mechanisms", default=",".join(MECHANISMS), help="comma-separated subset")
+    p.add_argument("--mechanisms", default=",".join(MECHANISMS),
+                   help="comma-separated subset; a+b puts on (or takes off) several together")
     p.add_argument("--include", choices=("all", "paper", "default"), default="all",
                    help="which sweeps: paper + each, defaults − each, or both")
     p.add_argument("--out", type=Path, default=Path("runs") / f"ablate-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -129,7 +136,7 @@ def main() -> None:
         return
     seeds = [int(s) for s in args.seeds.split(",")]
     mechanisms = args.mechanisms.split(",")
-    unknown = [m for m in mechanisms if m not in MECHANISMS]
+    unknown = [part for m in mechanisms for part in m.split("+") if part not in MECHANISMS]
     if unknown:
         p.error(f"unknown mechanism {unknown[0]!r}; choose from {', '.join(MECHANISMS)}")
     if args.pace is None:

@@ -219,8 +219,7 @@ def test_an_answer_to_an_earlier_push_is_never_applied():
 
 
 def test_a_learner_out_of_phase_shifts_its_push_schedule_by_its_lead():
-    cfg = for_mode("decoupled", 2, fragments=4, sync_every=4, overlap=0)
-    assert cfg.align_pushes
+    cfg = for_mode("decoupled", 2, fragments=4, sync_every=4, overlap=0, align_pushes=True)
     model = nn.ParameterDict({name: nn.Parameter(torch.zeros(1)) for name in "abcd"})
     transport = ScriptedTransport(cfg)
     learner = Learner(model, transport, "a")

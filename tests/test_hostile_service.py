@@ -150,10 +150,11 @@ def fuzz_push(rng, address, session, values):
         tokens=pick(rng, [8, 32, 4000], u64), data_position=pick(rng, [0, 100], u64),
         codec=pick(rng, [good.codec], codecs), numel=pick(rng, [numel], u64),
         total_bytes=pick(rng, [len(good.data)], u64), checksum=pick(rng, [good.checksum], u32))
+    good_data = bytes(good.data)  # payloads are built in a bytearray; protobuf fields take bytes
     data = rng.choice([
-        [good.data], [good.data], [good.data], [], [b""], [good.data[: len(good.data) // 2]], [good.data, b"extra"],
-        [rng.randbytes(len(good.data))], [codec.encode(torch.full((numel,), math.nan), "fp32").data],
-        [good.data[:3], good.data[3:]],
+        [good_data], [good_data], [good_data], [], [b""], [good_data[: len(good_data) // 2]], [good_data, b"extra"],
+        [rng.randbytes(len(good_data))], [bytes(codec.encode(torch.full((numel,), math.nan), "fp32").data)],
+        [good_data[:3], good_data[3:]],
     ])
     chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=d) for d in data]
     shape = rng.random()
@@ -268,7 +269,7 @@ def test_push_is_authenticated_before_any_data_is_buffered(syncer):
         header, payload = push_header(learner_id, session)
         started = time.monotonic()
         code, details = code_of(lambda: stub(syncer.address).Push(
-            slow_stream(pb.PushChunk(header=header), [pb.PushChunk(data=payload.data)]), timeout=10))
+            slow_stream(pb.PushChunk(header=header), [pb.PushChunk(data=bytes(payload.data))]), timeout=10))
         assert code == grpc.StatusCode.UNAUTHENTICATED, details
         assert "join" in details and time.monotonic() - started < 4  # answered at the header, data never read
 
@@ -291,7 +292,7 @@ def test_absurd_push_counters_are_refused(syncer, field, value, message):
     session = raw_join(syncer.address, "m")
     header, payload = push_header("m", session, **{field: value})
     code, details = code_of(lambda: stub(syncer.address).Push(
-        iter([pb.PushChunk(header=header), pb.PushChunk(data=payload.data)]), timeout=10))
+        iter([pb.PushChunk(header=header), pb.PushChunk(data=bytes(payload.data))]), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details
 
 
@@ -344,7 +345,7 @@ def test_a_thousand_refused_pushes_keep_one_resync_queued(syncer):
     for seq in range(1, 1001):
         header, payload = push_header("m", session, fragment=seq % 2, seq=seq)
         header.checksum ^= 1  # damaged: refused, and a full fp32 resync is due
-        reply = s.Push(iter([pb.PushChunk(header=header), pb.PushChunk(data=payload.data)]), timeout=10)
+        reply = s.Push(iter([pb.PushChunk(header=header), pb.PushChunk(data=bytes(payload.data))]), timeout=10)
         assert not reply.accepted and reply.resync
     assert syncer.service._queues["m"].qsize() <= 2  # one per fragment, however many refusals
 
@@ -373,7 +374,7 @@ def test_idle_push_and_init_streams_are_ended():
         header, payload = push_header("m", session)
         started = time.monotonic()
         code, details = code_of(lambda: stub(syncer.address).Push(
-            slow_stream(pb.PushChunk(header=header), [pb.PushChunk(data=payload.data)], wait=30), timeout=40))
+            slow_stream(pb.PushChunk(header=header), [pb.PushChunk(data=bytes(payload.data))], wait=30), timeout=40))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "nothing arrived" in details
         assert time.monotonic() - started < 10
         started = time.monotonic()

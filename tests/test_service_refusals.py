@@ -61,7 +61,7 @@ def test_oversized_or_headerless_push_is_refused_before_buffering(syncer):
     payload = codec.encode(torch.ones(20), "fp32")  # fragment 1 is lin.weight + lin.bias: 20 values
     header = pb.PushHeader(learner_id="a", session=session, seq=100, fragment=1, base_version=0, steps=1, tokens=10,
                            codec="fp32", numel=20, total_bytes=len(payload.data), checksum=payload.checksum ^ 1)
-    reply = push_raw(syncer.address, [pb.PushChunk(header=header), pb.PushChunk(data=payload.data)])
+    reply = push_raw(syncer.address, [pb.PushChunk(header=header), pb.PushChunk(data=bytes(payload.data))])
     assert not reply.accepted and reply.resync and "checksum" in reply.reason
     learner.close()
     assert syncer.stop()["rounds"] == 0  # nothing was merged

@@ -56,9 +56,9 @@ CHUNK_BLOCKS = 16_384
 
 
 def encode(x: torch.Tensor, codec: str) -> Encoded:
-    """Encode a 1-D float tensor."""
-    x = x.detach().reshape(-1).to("cpu", torch.float32)
-    return _encode(x.numel(), lambda lo, hi: x[lo:hi], codec)
+    """Encode a float tensor (flattened), converted to fp32 a chunk at a time."""
+    x = x.detach().reshape(-1).cpu()
+    return encode_from(x.numel(), lambda lo, hi: x[lo:hi].to(torch.float32), codec)
 
 
 def view_fp32(x: torch.Tensor) -> Encoded:
@@ -74,45 +74,58 @@ def encode_difference(a: torch.Tensor, b: torch.Tensor, codec: str) -> Encoded:
     """Encode a − b (two flat fp32 CPU tensors) without materialising the difference."""
     if a.shape != b.shape:
         raise ValueError(f"cannot encode the difference of {tuple(a.shape)} and {tuple(b.shape)} values")
-    return _encode(a.numel(), lambda lo, hi: a[lo:hi] - b[lo:hi], codec)
+    return encode_from(a.numel(), lambda lo, hi: a[lo:hi] - b[lo:hi], codec)
 
 
-def _encode(numel: int, values, codec: str) -> Encoded:
-    """`values(lo, hi)` gives the fp32 values lo..hi; they are encoded a chunk at a time."""
+def encode_from(numel: int, values, codec: str) -> Encoded:
+    """`values(lo, hi)` gives the fp32 values lo..hi; they are encoded a chunk at a time straight into the payload's
+    buffer, so encoding holds the payload once (no list of parts joined into a second copy)."""
     check_codec(codec)
     step = CHUNK_BLOCKS * BLOCK
+    data = bytearray(encoded_size(numel, codec))
     if codec in ("fp32", "bf16"):
-        parts = [_encode_plain(values(lo, min(lo + step, numel)), codec) for lo in range(0, numel, step)]
-        data = b"".join(parts)
-    else:
-        scales, bodies = [], []
+        out = np.frombuffer(data, dtype=np.float32 if codec == "fp32" else np.int16)
         for lo in range(0, numel, step):
-            scale, body = _encode_blocks(values(lo, min(lo + step, numel)), _LEVELS[codec], codec)
-            scales.append(scale)
-            bodies.append(body)
-        data = b"".join(scales) + b"".join(bodies)
+            hi = min(lo + step, numel)
+            _encode_plain(values(lo, hi), codec, out[lo:hi])
+    else:
+        blocks = -(-numel // BLOCK)
+        scales = np.frombuffer(data, dtype=np.float32, count=blocks)
+        body = np.frombuffer(data, dtype=np.uint8, offset=4 * blocks)
+        per_block = BLOCK if codec == "int8" else BLOCK // 2
+        for lo in range(0, numel, step):
+            first, last = lo // BLOCK, -(-min(lo + step, numel) // BLOCK)
+            _encode_blocks(values(lo, min(lo + step, numel)), _LEVELS[codec], codec, scales[first:last],
+                           body[first * per_block : last * per_block])
     return Encoded(codec, numel, data, checksum(data))
 
 
-def _encode_plain(x: torch.Tensor, codec: str) -> bytes:
+def _encode_plain(x: torch.Tensor, codec: str, out: np.ndarray) -> None:
     if codec == "fp32":
-        return x.contiguous().numpy().tobytes()
-    return x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        np.copyto(out, x.contiguous().numpy())
+    else:
+        np.copyto(out, x.to(torch.bfloat16).view(torch.int16).numpy())
 
 
-def _encode_blocks(x: torch.Tensor, levels: int, codec: str) -> tuple[bytes, bytes]:
-    """Scales and quantised values of one chunk (a whole number of blocks except at the end, zero-padded)."""
+def _encode_blocks(x: torch.Tensor, levels: int, codec: str, scales: np.ndarray, body: np.ndarray) -> None:
+    """Scales and quantised values of one chunk (a whole number of blocks except at the end, zero-padded) into
+    `scales` and `body`, views of the payload."""
     blocks = -(-x.numel() // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
-    padded[: x.numel()] = x
-    padded = padded.view(blocks, BLOCK)
+    if x.numel() == blocks * BLOCK:
+        padded = x.reshape(blocks, BLOCK).clone()
+    else:
+        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        padded[: x.numel()] = x
+        padded = padded.view(blocks, BLOCK)
     scale = padded.abs().amax(dim=1) / levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(padded.div_(safe[:, None])).clamp_(-levels, levels).to(torch.int8)
+    np.copyto(scales, scale.numpy())
     if codec == "int8":
-        return scale.numpy().tobytes(), q.numpy().tobytes()
+        np.copyto(body, q.view(torch.uint8).view(-1).numpy())
+        return
     nibbles = (q + 8).to(torch.uint8).view(-1)  # 1..15, two per byte: even index low, odd index high
-    return scale.numpy().tobytes(), (nibbles[0::2] | (nibbles[1::2] << 4)).numpy().tobytes()
+    np.copyto(body, (nibbles[0::2] | (nibbles[1::2] << 4)).numpy())
 
 
 _INT4_PAIRS = np.array([[(b & 0x0F) - 8, (b >> 4) - 8] for b in range(256)], dtype=np.float32)

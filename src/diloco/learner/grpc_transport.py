@@ -27,7 +27,7 @@ from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, 
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import shown
-from diloco.wire.messages import GRPC_OPTIONS, Assembler, blobs, push_chunks, specs_to_proto, wire_size
+from diloco.wire.messages import CHUNK_BYTES, GRPC_OPTIONS, Assembler, blobs, push_chunks, specs_to_proto, wire_size
 from diloco.wire.tls import channel_credentials
 
 log = logging.getLogger("diloco.learner")
@@ -179,6 +179,8 @@ class GrpcTransport(HeartbeatNews):
                               f"starting with a letter or digit") from None
         request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(specs), token=self.token,
                                  session=self.session)
+        self._max_payload = 4 * sum(s.numel for s in specs) + CHUNK_BYTES
+        """No payload from the syncer can be larger than the whole model in fp32: a bound before buffers are made."""
         started = time.monotonic()
         deadline, delay, attempts = started + self.connect_timeout, 0.2, 0
         self._answered = False
@@ -214,6 +216,7 @@ class GrpcTransport(HeartbeatNews):
             delay = min(delay * 2, MAX_BACKOFF)
         self.config, self.session = info.config, info.session
         self.receiver.reset(info.fragments)
+        heap.release_after(self._max_payload)  # the join's message buffers, freed but still held by the heap
         for name, target in (("sender", self._send_loop), ("receiver", self._receive_loop), ("heartbeat", self._heartbeat_loop)):
             thread = threading.Thread(target=target, name=f"learner-{name}", daemon=True)
             thread.start()
@@ -247,7 +250,7 @@ class GrpcTransport(HeartbeatNews):
         """One Join from scratch: the model (JoinInfo), or the header alone when the syncer has no model yet."""
         self.bytes_sent += wire_size(request)
         progress = Progress(self.stall_timeout)
-        header, assembler, fragments = None, Assembler(), []
+        header, assembler, fragments = None, Assembler(self._max_payload), []
         call = self.stub.Join(request)  # no deadline: the watchdog ends it only if it stalls
         try:
             with progress.watching(call):
@@ -285,8 +288,8 @@ class GrpcTransport(HeartbeatNews):
         """Upload this learner's parameters as the initial global model (the syncer gave us the lease)."""
         def chunks():  # lazily: one fragment's encoding at a time, never a second copy of the whole model
             yield pb.InitChunk(request=request)
-            for i, flat in enumerate(flats):
-                for blob in blobs(i, 0, codec.encode(flat, "fp32")):
+            for i, flat in enumerate(flats):  # each flat is a fresh copy: sent from its own memory
+                for blob in blobs(i, 0, codec.view_fp32(flat)):
                     yield pb.InitChunk(blob=blob)
 
         progress = Progress(self.stall_timeout, sum(codec.encoded_size(f.numel(), "fp32") for f in flats))
@@ -377,7 +380,7 @@ class GrpcTransport(HeartbeatNews):
     def _receive_loop(self) -> None:
         delay, broken = 0.2, False
         while not self._closing.is_set():
-            assembler = Assembler()
+            assembler = Assembler(self._max_payload)
             try:
                 self._subscription = self.stub.Subscribe(pb.SubscribeRequest(learner_id=self.learner_id, session=self.session))
                 if broken:  # the syncer may have restarted and lost pushes it had not merged yet

@@ -19,7 +19,7 @@ from torch import nn
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, fit_fragments, full, gather, named_state, plan_fragments, scatter, tensor_specs
 from diloco.learner.island import Island
-from diloco.learner.staging import Snapshot, snapshot, to_device
+from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, snapshot, to_device
 from diloco.learner.transport import Arrival, PushJob, SyncerError, Transport
 from diloco.schedule import due
 
@@ -161,6 +161,7 @@ class Learner:
             elif self.leader and getattr(self.transport, "receiver", None) is not None:
                 self.transport.receiver.forget(fragment.index)
         self._slot = {slot.fragment.index: slot for slot in self.slots}
+        self._arena = DeltaArena(max((s.fragment.numel for s in self.slots), default=0))
 
     def _pushable(self, fragment: Fragment) -> bool:
         return fragment.role == "params" or (fragment.role == "buffers" and self.config.sync_buffers)
@@ -312,19 +313,27 @@ class Learner:
         tensors = self._tensors(fragment)
         return [full(t) for t in tensors] if self.sharded else tensors
 
-    def _push(self, p: int) -> None:
-        """Push fragment p's progress (in a sharded island every rank calls this: the gather is a collective)."""
+    def _push(self, p: int, finishing: bool = False) -> None:
+        """Push fragment p's progress (in a sharded island every rank calls this: the gather is a collective).
+        `finishing`: training has ended, so the values are read when the sender encodes them, one push at a time."""
         fragment = self.layout[p]
         local = self._local(fragment)
         if not self.leader:
             return
         slot = self._slot[p]
-        taken = snapshot(local)
-        if self.config.keep_overlap and fragment.role == "params":
+        keep = self.config.keep_overlap and fragment.role == "params" and not finishing
+        taken = staged = None
+        if finishing and not self.sharded:
+            taken = LiveValues(local)
+        elif not keep and not self.sharded and self.device.type == "cpu" and self.config.codec == "int4":
+            staged = StagedDelta(slot.base, local, self._arena)
+        else:
+            taken = snapshot(local)
+        if keep:
             slot.pushed = (taken, slot.steps, slot.tokens)
         self._seq += 1
         self.transport.push(PushJob(p, slot.base, taken, slot.version, slot.steps, slot.tokens, self._seq,
-                                    self.data_position))
+                                    self.data_position, staged))
         slot.pushed_at, slot.pushed_seq = self.step_count, self._seq
         self.pushes += 1
 
@@ -451,7 +460,7 @@ class Learner:
         if self.sharded:
             flush = self._share(flush)
         for p in flush:
-            self._push(p)
+            self._push(p, finishing=True)
             self.flushed += self.leader
         self._finished = True
         self._lead(self._leave, deadline)

@@ -1,13 +1,21 @@
 """Fragment copies between the model's device and host memory that never make the training thread wait.
 
-On a CPU model a snapshot is a plain copy. On CUDA the fragment is first copied on the device (fast; the next
-training kernels wait only for that), then to pinned host memory on a side stream; the sender thread waits for
-that copy, not the training thread. Merged values come back from pinned memory on the same side stream.
+On a CPU model pushed as int4 (and not keeping its overlap) the training thread writes Δ = base − θ itself,
+rounded to bf16, into one reused buffer (`DeltaArena`): half the memory of an fp32 copy, and no page faults of fresh
+memory on the training thread. bf16 keeps 8 significant bits, so its rounding (at most 2^-9 of each value) is far
+below int4's quantisation step (1/7 of a block's largest value). Otherwise a snapshot is a plain fp32 copy. On CUDA
+the fragment is first copied on the device (fast; the next training kernels wait only for that), then to pinned
+host memory on a side stream; the sender thread waits for that copy, not the training thread. Merged values come back from pinned memory on the same side stream.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+STAGE_CHUNK = 1 << 20
+"""Values subtracted at a time when staging Δ: the fp32 temporaries stay a few MB."""
 
 _streams: dict[torch.device, "torch.cuda.Stream"] = {}
 
@@ -71,3 +79,72 @@ def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     current.wait_stream(side)
     out.record_stream(current)
     return out
+
+
+class LiveValues:
+    """A fragment's current values, read only when its payload is encoded: for pushes made when training has ended
+    (`Learner.finish`), so that flushing every fragment never holds a copy of them all at once."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = [t.detach().reshape(-1) for t in tensors]
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """fp32 values lo..hi of the fragment's tensors laid end to end (on the CPU)."""
+        parts, offset = [], 0
+        for t in self.tensors:
+            a, b = max(lo, offset), min(hi, offset + t.numel())
+            if a < b:
+                parts.append(t[a - offset : b - offset].to("cpu", torch.float32))
+            offset += t.numel()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def host(self) -> torch.Tensor:
+        """All the values as one flat fp32 CPU tensor."""
+        return self.read(0, sum(t.numel() for t in self.tensors))
+
+
+class DeltaArena:
+    """One bf16 buffer the size of the largest fragment, lent to one staged Δ at a time (the sender encodes a push
+    long before the next big one is due); a Δ staged while it is lent gets a buffer of its own."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self._buffer: torch.Tensor | None = None
+        self._lent = False
+        self._lock = threading.Lock()
+
+    def take(self, numel: int) -> tuple[torch.Tensor, bool]:
+        """(a flat bf16 tensor of `numel` values, whether it is the arena's and must be given back)."""
+        with self._lock:
+            if not self._lent and numel <= self.numel:
+                if self._buffer is None:
+                    self._buffer = torch.empty(self.numel, dtype=torch.bfloat16)
+                self._lent = True
+                return self._buffer[:numel], True
+        return torch.empty(numel, dtype=torch.bfloat16), False
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._lent = False
+
+
+class StagedDelta:
+    """Δ = base − θ of one fragment at one step, as flat bf16 values; `release()` once encoded."""
+
+    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena):
+        self.values, self._lent = arena.take(base.numel())
+        self._arena = arena
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                flat = t.detach().reshape(-1)
+                for lo in range(0, flat.numel(), STAGE_CHUNK):
+                    hi = min(lo + STAGE_CHUNK, flat.numel())
+                    torch.sub(base[offset + lo : offset + hi], flat[lo:hi], out=self.values[offset + lo : offset + hi])
+                offset += flat.numel()
+
+    def release(self) -> None:
+        """The values are no longer needed (their payload is made): the arena may lend its buffer again."""
+        if self._lent:
+            self._arena.give_back()
+        self.values, self._lent = None, False

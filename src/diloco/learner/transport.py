@@ -13,7 +13,7 @@ import torch
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
-from diloco.learner.staging import Snapshot
+from diloco.learner.staging import LiveValues, Snapshot, StagedDelta
 from diloco.syncer.core import Refused, SyncerCore
 from diloco.syncer.downlink import Publication, tensor_checksum
 
@@ -34,31 +34,43 @@ class JoinInfo:
 
 @dataclass(eq=False)
 class PushJob:
-    """One push. Δ = base − local is encoded where it is first needed (the sender thread), not on the training
-    thread, after the local values have reached host memory, and once: re-sends reuse the payload."""
+    """One push. Δ is encoded where it is first needed (the sender thread), not on the training thread, and once:
+    re-sends reuse the payload. Δ comes as `base` minus `local` (a Snapshot, or LiveValues read at encoding), or
+    already staged by the training thread (`staged`)."""
 
     fragment: int
     base: torch.Tensor | None
-    local: Snapshot | None
+    local: Snapshot | LiveValues | None
     base_version: int
     steps: int
     tokens: int
     seq: int
     data_position: int
+    staged: StagedDelta | None = None
     _payload: codec.Encoded | None = None
 
     @property
     def delta(self) -> torch.Tensor:
-        """Δ as a tensor (before the payload is made)."""
+        """Δ as an fp32 tensor (before the payload is made)."""
+        if self.staged is not None:
+            return self.staged.values.to(torch.float32)
         return self.base - self.local.host()
 
     def payload(self, codec_name: str, feedback: codec.ErrorFeedback | None = None) -> codec.Encoded:
         if self._payload is None:
             if feedback is not None:
                 self._payload = feedback.encode(self.fragment, self.delta, codec_name)
+            elif self.staged is not None:
+                self._payload = codec.encode(self.staged.values, codec_name)
+            elif isinstance(self.local, LiveValues):  # a chunk at a time, straight from the model's tensors
+                base, local = self.base, self.local
+                self._payload = codec.encode_from(base.numel(), lambda lo, hi: base[lo:hi] - local.read(lo, hi),
+                                                  codec_name)
             else:  # a chunk at a time: Δ of a big fragment is never held whole
                 self._payload = codec.encode_difference(self.base, self.local.host(), codec_name)
-            self.base = self.local = None  # the payload is all a re-send needs
+            if self.staged is not None:
+                self.staged.release()
+            self.base = self.local = self.staged = None  # the payload is all a re-send needs
         return self._payload
 
 

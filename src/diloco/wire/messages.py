@@ -70,11 +70,12 @@ class Assembled:
 
 
 class Assembler:
-    """Collects Blob chunks into payloads; refuses out-of-order, oversized or inconsistent chunks."""
+    """Collects Blob chunks into payloads; refuses out-of-order, oversized or inconsistent chunks. Each payload is
+    written into one buffer as its chunks arrive, so assembling never holds it twice."""
 
     def __init__(self, max_payload_bytes: int = 1 << 34):
         self.max_payload_bytes = max_payload_bytes
-        self._parts: dict[tuple[int, int], list[pb.Blob]] = {}
+        self._open: dict[tuple[int, int], tuple[pb.Blob, bytearray]] = {}
         self._size: dict[tuple[int, int], int] = {}
 
     def add(self, blob: pb.Blob) -> Assembled | None:
@@ -83,26 +84,36 @@ class Assembler:
             raise codec.CorruptPayload(f"payload of {blob.total_bytes} bytes exceeds the {self.max_payload_bytes}-byte limit")
         expected = self._size.get(key, 0)
         if blob.offset != expected:
-            self._parts.pop(key, None)
-            self._size.pop(key, None)
+            self._drop(key)
             raise codec.CorruptPayload(f"chunk at offset {blob.offset} of fragment {blob.fragment}, expected {expected}")
-        self._parts.setdefault(key, []).append(blob)
-        self._size[key] = expected + len(blob.data)
-        if self._size[key] < blob.total_bytes:
+        if expected == 0:
+            first = pb.Blob()
+            first.CopyFrom(blob)
+            first.ClearField("data")
+            self._open[key] = (first, bytearray(blob.total_bytes))
+        first, data = self._open[key]
+        end = expected + len(blob.data)
+        if blob.total_bytes != first.total_bytes or end > len(data):
+            self._drop(key)
+            raise codec.CorruptPayload(f"fragment {blob.fragment}: chunks disagree on the payload's size or overrun it "
+                                       f"({end} of {len(data)} bytes)")
+        data[expected:end] = blob.data
+        self._size[key] = end
+        if end < len(data):
             return None
-        parts = self._parts.pop(key)
-        self._size.pop(key)
-        data = b"".join(p.data for p in parts)
-        if len(data) != blob.total_bytes:
-            raise codec.CorruptPayload(f"fragment {blob.fragment}: got {len(data)} bytes, expected {blob.total_bytes}")
-        first = parts[0]
+        self._drop(key)
         return Assembled(first.fragment, first.version, codec.Encoded(first.codec, first.numel, data, first.checksum),
                          first.full, first.result_checksum, first.refused, first.seq)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        self._open.pop(key, None)
+        self._size.pop(key, None)
 
 
 def push_chunks(header: pb.PushHeader, payload: codec.Encoded) -> Iterator[pb.PushChunk]:
     header.codec, header.numel = payload.codec, payload.numel
     header.total_bytes, header.checksum = len(payload.data), payload.checksum
     yield pb.PushChunk(header=header)
-    for offset in range(0, len(payload.data), CHUNK_BYTES):
-        yield pb.PushChunk(data=payload.data[offset : offset + CHUNK_BYTES])
+    data = memoryview(payload.data)  # each chunk is copied as it is sent, the payload never twice
+    for offset in range(0, len(data), CHUNK_BYTES):
+        yield pb.PushChunk(data=bytes(data[offset : offset + CHUNK_BYTES]))
