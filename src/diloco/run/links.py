@@ -2,14 +2,15 @@
 network namespace, behind a veth pair rate-limited in both directions with `tc tbf`.
 
     root namespace                                  namespace diloco-<pid>-<k>-<i> (worker i)
-    bridge dlbr<pid>-<k>, 10.A.B.1/24  ── port dl<pid>-<k>-<i> ══ veth ══ wan, 10.A.B.(i+2)/24, default via .1
+    bridge dlbr<pid>-<k>, 10.A.B.1/24  ── port dl<pid>-<k>-<i> ══ veth ══ wan, 10.A.B.(i+2)/24
                                           tbf: host → worker          tbf: worker → host
 
 The syncer (or its proxies) stays in the root namespace and is reached at 10.A.B.1. Worker-to-worker traffic (dp's
 gloo) is bridged between the ports, so it crosses both workers' shaped links, as through a WAN hub; no IP
-forwarding and no global sysctl is touched. Deleting a namespace deletes its veth pair; the bridge is deleted last.
-Names carry the owner's pid (hex in interface names, which the kernel caps at 15 characters), so a later run removes
-what a crashed one left behind.
+forwarding and no global sysctl is touched. A namespace has no default route: only the run's /24 is reachable, so
+anything else (the DNS server gloo asks for a peer's name) fails at once instead of timing out. Deleting a
+namespace deletes its veth pair; the bridge is deleted last. Names carry the owner's pid (hex in interface names,
+which the kernel caps at 15 characters), so a later run removes what a crashed one left behind.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class LinkError(RuntimeError):
 
 def parse_link(text: str) -> float | None:
     """Bits per second from `--link` ("5mbit", "500kbit", "1gbit"; "2MB" counts bytes, as in tc and `diloco
-    proxy --bandwidth`), or None for "none" / "off"."""
+    proxy --bandwidth`), or None for "none" / "off". A unit is required."""
     from diloco.chaos.cli import parse_rate
 
     if text.strip().lower() in ("none", "off"):
         return None
     try:
+        if not text.strip()[-1:].isalpha():
+            raise ValueError("a bare number: 5 would be 5 bytes per second, most likely not what was meant")
         bps = 8 * parse_rate(text)
     except ValueError:
         raise ValueError(f"bad --link {text!r}: expected a rate such as 5mbit, 100mbit, 500kbit or 1gbit (bits per "
@@ -149,7 +152,6 @@ class Layout:
                      ["ip", *ns, "link", "set", "lo", "up"],
                      ["ip", *ns, "addr", "add", f"{x.address}/{prefix}", "dev", INSIDE_IF],
                      ["ip", *ns, "link", "set", INSIDE_IF, "up"],
-                     ["ip", *ns, "route", "add", "default", "via", self.host_address],
                      ["tc", "qdisc", "add", "dev", x.host_if, *self.tbf()],
                      ["tc", *ns, "qdisc", "add", "dev", INSIDE_IF, *self.tbf()]]
         return cmds
