@@ -83,6 +83,8 @@ def cmd_compare(args) -> int:
             raise ValueError(f"the {mode} run failed (exit {proc.returncode}); its logs are in {out / mode / 'logs'}")
         reports[mode] = json.loads(proc.stdout)
     print_table(reports, args.chaos)
+    if latency and "dp" in modes:
+        console.print("dp ran without --link-latency-ms: no proxy can carry its gloo traffic (bandwidth shaping only)")
     summary = {m: {k: r.get(k) for k in ("goodput", "uptime", "final_eval_loss", "initial_eval_loss", "wire_bytes",
                                           "tokens_trained", "tokens_merged", "wall_seconds", "chaos", "link",
                                           "link_bytes_total")}
