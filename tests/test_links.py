@@ -78,6 +78,55 @@ def test_a_worker_runs_inside_its_namespace_with_the_same_pid():
     assert links.wrap(1, ["python", "-V"]) == ["ip", "netns", "exec", links.links[1].namespace, "python", "-V"]
 
 
+class FakeLinks:
+    """What the run asks of ShapedLinks, on loopback, so the wiring is checked without root."""
+
+    host_address = "127.0.0.1"
+    links = [L.Link("ns-0", "h0", "10.9.9.2"), L.Link("ns-1", "h1", "10.9.9.3")]
+
+    def wrap(self, i, cmd):
+        return ["netns", str(i), *cmd]
+
+
+def test_learners_behind_links_reach_every_syncer_shard_through_proxies_of_their_own(tmp_path):
+    from diloco.run.cluster import LocalCluster
+
+    shards = [["--state", str(tmp_path / "a")], ["--state", str(tmp_path / "b")]]
+    cluster = LocalCluster(tmp_path, shards, {"learner-0": [], "learner-1": []}, links=FakeLinks(), latency_ms=30)
+    try:
+        for i, lid in enumerate(["learner-0", "learner-1"]):
+            cmd, proxies = cluster.learner_cmds[lid], cluster.proxies[lid]
+            assert cmd[:2] == ["netns", str(i)]  # started inside its namespace
+            assert cmd[cmd.index("--syncer") + 1] == ",".join(p.address for p in proxies)
+            assert [(p.proxy.listen_host, p.proxy.target_port) for p in proxies] == \
+                [("127.0.0.1", g) for g in cluster.grpc_ports]  # on the bridge's address, one per shard
+            assert all(p.proxy.faults.latency_ms == 30 for p in proxies)
+        assert all(c[c.index("--listen") + 1].startswith("127.0.0.1:") for c in cluster.syncer_cmds)
+        cluster.partition("learner-1", 5)  # its whole link: every shard
+        assert all(p.partitioned for p in cluster.proxies["learner-1"])
+        assert not any(p.partitioned for p in cluster.proxies["learner-0"])
+    finally:
+        cluster.shutdown()
+
+
+def test_dp_workers_rendezvous_on_worker_0s_address_and_put_gloo_on_their_link(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from diloco.baselines import launch
+
+    started = []
+    monkeypatch.setattr(launch, "spawn", lambda cmd, log, env=None: started.append((cmd, env)))
+    plan = SimpleNamespace(speeds=[1.0, 1.0], learners=2, out=tmp_path, pace=None, tensorboard=None)
+    job = {"steps": 10, "duration": None, "checkpoint_every": 50, "snapshot_every": 5}
+    launch.start_workers(plan, job, 0, FakeLinks())
+    for i, (cmd, env) in enumerate(started):
+        assert cmd[:2] == ["netns", str(i)] and env == {"GLOO_SOCKET_IFNAME": L.INSIDE_IF}
+        assert cmd[cmd.index("--master-addr") + 1] == "10.9.9.2"
+    started.clear()
+    launch.start_workers(plan, job, 0, None)  # no links: loopback as before
+    assert all(cmd[cmd.index("--master-addr") + 1] == "127.0.0.1" and env is None for cmd, env in started)
+
+
 def run_cli(capsys, *argv):
     code = main(list(argv))
     return code, capsys.readouterr().err
