@@ -323,3 +323,21 @@ def test_a_data_parallel_run_all_reduces_across_the_shaped_links(tmp_path):
     # gloo's traffic crosses the links: every byte the ring all-reduce moves, plus headers
     assert report["wire_bytes"] <= sent < 1.2 * report["wire_bytes"], (sent, report["wire_bytes"])
     assert report["rounds"] == 20 and report["final_eval_loss"] < report["initial_eval_loss"]
+
+
+@needs_root
+def test_ctrl_c_during_a_run_stops_it_and_removes_its_links(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "2", "--duration",
+                             "60", "--no-progress", "--out", str(out), "--link", "20mbit"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not list((out / "metrics").glob("*.jsonl")):  # learners train inside their namespaces
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+    assert len(ours(proc.pid)) == 3
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in stderr
+    assert ours(proc.pid) == []
