@@ -148,6 +148,14 @@ def test_without_iproute2_link_is_refused_naming_the_missing_tools(capsys, tmp_p
     assert code == 2 and "needs iproute2's `ip` and `tc` on PATH; missing tc" in err
 
 
+def test_root_without_network_capabilities_is_refused_naming_them(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(L, "_effective_capabilities", lambda: 1 << 21)  # CAP_SYS_ADMIN only
+    code, err = run_cli(capsys, "run", "--link", "5mbit", "--out", str(tmp_path / "run"))
+    assert code == 2 and "--link needs CAP_NET_ADMIN, which this root process lacks" in err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--link", "fast"], "bad --link 'fast': expected a rate such as 5mbit"),
     (["--mode", "dp", "--link-latency-ms", "40"], "--mode dp gets --link's bandwidth shaping only"),

@@ -85,6 +85,25 @@ def check_can_shape() -> None:
     if missing:
         raise LinkError(f"--link needs iproute2's `ip` and `tc` on PATH; missing {', '.join(missing)} (Debian and "
                         f"Ubuntu: apt-get install iproute2), or drop --link")
+    lacking = [name for name, bit in CAPABILITIES.items() if not _effective_capabilities() >> bit & 1]
+    if lacking:
+        raise LinkError(f"--link needs {' and '.join(lacking)}, which this root process lacks (in a container: "
+                        f"--cap-add NET_ADMIN --cap-add SYS_ADMIN, or --privileged), or drop --link")
+
+
+CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}
+"""What `ip netns` and `tc` need: network administration, and mounts (a namespace is kept as a mount under
+/run/netns)."""
+
+
+def _effective_capabilities() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    return -1  # unknown: let the commands say
 
 
 @dataclass(frozen=True)
