@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from diloco.learner.transport import SyncerError
+    from diloco.run.links import LinkError
     from diloco.run.local import RunFailed
 
     try:
@@ -408,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("diloco: interrupted", file=sys.stderr)
         return 130
-    except (UserError, ValueError, SyncerError, OSError, RunFailed) as e:
+    except (UserError, ValueError, SyncerError, OSError, RunFailed, LinkError) as e:
         print(f"diloco {args.command}: error: {e}", file=sys.stderr)
         return 2
 

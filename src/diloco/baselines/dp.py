@@ -113,6 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="one data-parallel worker (started by `diloco run --mode dp`)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master-addr", default="127.0.0.1", help="where rank 0 holds the rendezvous (127.0.0.1)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--train-config", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     process_started = time.monotonic()
     checkpoints, snapshots = args.out / "checkpoint", args.out / "snapshots"
     snapshots.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master_addr}:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=timedelta(seconds=120))
     model = build_model(cfg.model, cfg.seed)
     optimizer = make_inner_optimizer(model, cfg)

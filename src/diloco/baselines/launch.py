@@ -61,14 +61,22 @@ def log_path(plan, lid: str, restarts: int) -> Path:
     return plan.out / "logs" / (f"{lid}.log" if restarts == 0 else f"{lid}.restart-{restarts}.log")
 
 
-def start_workers(plan, job: dict, restarts: int) -> Procs:
+def start_workers(plan, job: dict, restarts: int, links=None) -> Procs:
     """All M workers on a fresh rendezvous port (the old one may linger in TIME_WAIT); they resume from the
-    newest checkpoint in the same out dir."""
+    newest checkpoint in the same out dir. With `links` (run/links.py) worker i runs in link i's namespace, the
+    rendezvous is on worker 0's address and gloo uses each namespace's link, so every all-reduce byte crosses the
+    shaped links of its sender and its receiver."""
     port, out = _free_port(), plan.out / "dp"
+    master, env = "127.0.0.1", None
+    if links is not None:
+        from diloco.run.links import INSIDE_IF
+
+        master, env = links.links[0].address, {"GLOO_SOCKET_IFNAME": INSIDE_IF}
     procs = {}
     for i, speed in enumerate(plan.speeds):
         cmd = [sys.executable, "-m", "diloco.baselines.dp", "--rank", str(i), "--world", str(plan.learners),
-               "--port", str(port), "--train-config", str(plan.out / "train_config.json"), "--out", str(out),
+               "--master-addr", master, "--port", str(port), "--train-config", str(plan.out / "train_config.json"),
+               "--out", str(out),
                "--speed", str(speed), "--restart-count", str(restarts),
                "--checkpoint-every", str(job["checkpoint_every"]), "--snapshot-every", str(job["snapshot_every"])]
         if job["steps"]:
@@ -79,7 +87,9 @@ def start_workers(plan, job: dict, restarts: int) -> Procs:
             cmd += ["--tensorboard", str(plan.tensorboard)]
         if job["duration"]:  # the job's deadline is fixed by its first training step (dp.job_clock)
             cmd += ["--duration", str(job["duration"])]
-        procs[f"learner-{i}"] = spawn(cmd, log_path(plan, f"learner-{i}", restarts))
+        if links is not None:
+            cmd = links.wrap(i, cmd)
+        procs[f"learner-{i}"] = spawn(cmd, log_path(plan, f"learner-{i}", restarts), env)
     return procs
 
 
@@ -126,7 +136,7 @@ def record(plan, restarts: list[dict]) -> dict:
 
 
 def run_dp(plan, progress, on_tick: Callable[[Procs], None] | None = None, max_restarts: int = MAX_RESTARTS,
-           checkpoint_every: int = CHECKPOINT_EVERY):
+           checkpoint_every: int = CHECKPOINT_EVERY, links=None):
     """Train to the plan's budget, restarting the whole job from its last checkpoint whenever a worker dies.
 
     `on_tick(procs)` is called about every 0.5 s with the current workers (id → Popen), so a fault injector can
@@ -141,7 +151,7 @@ def run_dp(plan, progress, on_tick: Callable[[Procs], None] | None = None, max_r
     try:
         with progress:
             while True:
-                procs = start_workers(plan, job, len(restarts))
+                procs = start_workers(plan, job, len(restarts), links)
                 if watch(plan, procs, progress, on_tick):
                     break
                 kill_all(procs)

@@ -20,6 +20,16 @@ def parse_speeds(text: str | None, learners: int) -> list[float]:
     return speeds
 
 
+def add_network_options(p: argparse.ArgumentParser) -> None:
+    n = p.add_argument_group("network (docs/architecture.md, Shaped links)")
+    n.add_argument("--link", metavar="RATE",
+                   help="give each learner (dp: each worker) its own network namespace behind a link shaped to RATE "
+                        "each way with tc, e.g. 5mbit, 100mbit, 500kbit; none: loopback (default). Needs root")
+    n.add_argument("--link-latency-ms", type=float, metavar="MS",
+                   help="add MS of one-way delay to each learner's connections to the syncer, through a proxy "
+                        "(diloco proxy); not with --mode dp, whose gloo traffic cannot take a proxy")
+
+
 def register(sub, add_sync_options, add_train_options) -> None:
     p = sub.add_parser(
         "run", help="train on this machine: a syncer and N learner processes (the main job)",
@@ -51,6 +61,7 @@ def register(sub, add_sync_options, add_train_options) -> None:
                    help="inject real faults: kill-one, rolling-kills, hang, straggler, syncer-crash, partition, random, "
                         "or a JSON scenario file")
     c.add_argument("--mtbf", type=float, help="mean seconds between failures for --chaos random (run length / 4)")
+    add_network_options(p)
     p.add_argument("--model", choices=("small", "tiny"), default="small",
                    help="built-in model size: small (default, ~0.8M parameters) or tiny (fast checks)")
     add_sync_options(p)

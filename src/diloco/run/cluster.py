@@ -34,9 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     with log.open("a") as f:  # a restarted process continues its log
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -64,29 +64,33 @@ def with_signal(proc: subprocess.Popen | None, sig: int) -> None:
 
 class LocalCluster:
     """Syncers on fixed ports (so they can be restarted on their state) — one, or the shards of a sharded syncer,
-    each given its own arguments — and learners, optionally behind proxies (one syncer only)."""
+    each given its own arguments — and learners, optionally behind proxies (one per learner and syncer shard).
+
+    With `links` (run/links.py) learner i runs in the namespace of link i and reaches the syncers through proxies
+    on the bridge's address; the syncers stay on loopback. `latency_ms` is added by those proxies, each way."""
 
     def __init__(self, out: Path, syncer_args: list[list[str]], learner_args: dict[str, list[str]],
-                 proxies: bool = False, ranks_per_learner: int = 1):
+                 proxies: bool = False, ranks_per_learner: int = 1, links=None, latency_ms: float = 0.0):
         self.out = out
         self.grpc_ports = [free_port() for _ in syncer_args]
         self.http_ports = [free_port() for _ in syncer_args]
         self.grpc_port, self.http_port = self.grpc_ports[0], self.http_ports[0]
         self.syncer_cmds = [PY + ["syncer", "--listen", f"127.0.0.1:{g}", "--http", f"127.0.0.1:{h}", *args]
                             for g, h, args in zip(self.grpc_ports, self.http_ports, syncer_args)]
-        self.proxies = {}
-        if proxies:
-            if len(syncer_args) > 1:
-                raise ClusterError("partitions go through a proxy to one syncer: not with syncer shards")
-            from diloco.chaos.proxy import ProxyThread
+        self.proxies: dict[str, list] = {}
+        if proxies or links is not None or latency_ms:
+            from diloco.chaos.proxy import LinkFaults, ProxyThread
 
-            self.proxies = {lid: ProxyThread(f"127.0.0.1:{self.grpc_port}") for lid in learner_args}
+            listen = f"{links.host_address}:0" if links is not None else "127.0.0.1:0"
+            faults = LinkFaults(latency_ms=latency_ms)
+            self.proxies = {lid: [ProxyThread(f"127.0.0.1:{g}", listen, faults) for g in self.grpc_ports]
+                            for lid in learner_args}
         self.address = ",".join(f"127.0.0.1:{g}" for g in self.grpc_ports)
-        self.learner_cmds = {
-            lid: learner_launcher(ranks_per_learner) + ["learner", "--syncer", self.proxies[lid].address if lid in self.proxies
-                       else self.address, "--id", lid, *args]
-            for lid, args in learner_args.items()
-        }
+        self.learner_cmds = {}
+        for i, (lid, args) in enumerate(learner_args.items()):
+            target = ",".join(p.address for p in self.proxies[lid]) if lid in self.proxies else self.address
+            cmd = learner_launcher(ranks_per_learner) + ["learner", "--syncer", target, "--id", lid, *args]
+            self.learner_cmds[lid] = links.wrap(i, cmd) if links is not None else cmd
         self.syncers: list[subprocess.Popen | None] = [None] * len(syncer_args)
         self.procs: dict[str, subprocess.Popen] = {}
         self.ready_files = [Path(args[args.index("--state") + 1]) / "ready.json" for args in syncer_args]
@@ -160,12 +164,14 @@ class LocalCluster:
     def partition(self, target: str, seconds: float) -> None:
         if target not in self.proxies:
             raise ClusterError(f"cannot partition {target}: the run was started without proxies")
-        self.proxies[target].partition(seconds)
+        for proxy in self.proxies[target]:  # its link to every shard
+            proxy.partition(seconds)
 
     def shutdown(self) -> None:
         for proc in self.procs.values():
             stop(proc)
         for proc in self.syncers:
             stop(proc)
-        for proxy in self.proxies.values():
-            proxy.stop()
+        for proxies in self.proxies.values():
+            for proxy in proxies:
+                proxy.stop()

@@ -32,6 +32,9 @@ def register(sub) -> None:
                    help="pace every mode's steps alike (see `diloco run --pace`; default: auto with --chaos, measured "
                         "once for all modes)")
     p.add_argument("--out", type=Path, help="folder for one run directory per mode (default runs/compare-<time>)")
+    from diloco.run.cli import add_network_options
+
+    add_network_options(p)
     p.set_defaults(func=cmd_compare)
 
 
@@ -42,6 +45,17 @@ def cmd_compare(args) -> int:
         raise ValueError(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
     if args.duration is None and args.tokens is None:
         args.duration = 120.0
+    link, latency = [], []
+    if args.link:
+        from diloco.run.links import check_can_shape, parse_link
+
+        if parse_link(args.link) is not None:  # refused now, not after the first mode's run
+            check_can_shape()
+        link = ["--link", args.link]
+    if args.link_latency_ms is not None:  # dp runs without it: no proxy can carry its gloo traffic
+        if not 0 <= args.link_latency_ms < float("inf"):
+            raise ValueError(f"--link-latency-ms must be a number of milliseconds ≥ 0, got {args.link_latency_ms}")
+        latency = ["--link-latency-ms", str(args.link_latency_ms)]
     out = args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     budget = ["--duration", str(args.duration)] if args.duration else ["--tokens", str(args.tokens)]
     pace = parse_pace(args.pace)
@@ -61,6 +75,7 @@ def cmd_compare(args) -> int:
                "--model", args.model, "--seed", str(args.seed), "--json", "--out", str(out / mode)]
         if args.chaos:
             cmd += ["--chaos", args.chaos]
+        cmd += link if mode == "dp" else link + latency
         console.print(f"[bold]{mode}[/bold]: {' '.join(cmd[3:])}")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -68,8 +83,11 @@ def cmd_compare(args) -> int:
             raise ValueError(f"the {mode} run failed (exit {proc.returncode}); its logs are in {out / mode / 'logs'}")
         reports[mode] = json.loads(proc.stdout)
     print_table(reports, args.chaos)
+    if latency and "dp" in modes:
+        console.print("dp ran without --link-latency-ms: no proxy can carry its gloo traffic (bandwidth shaping only)")
     summary = {m: {k: r.get(k) for k in ("goodput", "uptime", "final_eval_loss", "initial_eval_loss", "wire_bytes",
-                                          "tokens_trained", "tokens_merged", "wall_seconds", "chaos")}
+                                          "tokens_trained", "tokens_merged", "wall_seconds", "chaos", "link",
+                                          "link_bytes_total")}
                for m, r in reports.items()}
     (out / "compare.json").write_text(json.dumps(summary, indent=2))
     console.print(f"run directories, timelines and compare.json in {out}")
@@ -78,13 +96,17 @@ def cmd_compare(args) -> int:
 
 def print_table(reports: dict[str, dict], chaos: str | None) -> None:
     ref = next(iter(reports.values()))
-    table = Table(title=f"{len(reports)} modes" + (f" under {chaos}" if chaos else ""), title_justify="left")
-    for col in ("mode", "goodput", "uptime", "final loss", "vs first", "wire bytes", "first / this", "tokens merged"):
+    links = any("link_bytes_total" in r for r in reports.values())
+    title = f"{len(reports)} modes" + (f" under {chaos}" if chaos else "")
+    table = Table(title=title + (f" over links of {ref['link']}" if ref.get("link") else ""), title_justify="left")
+    for col in ("mode", "goodput", "uptime", "final loss", "vs first", "wire bytes", "first / this", "tokens merged",
+                *(["link bytes"] if links else [])):
         table.add_column(col, justify="right")
     for mode, r in reports.items():
         table.add_row(mode, f"{r['goodput']:.3f}", f"{r['uptime']:.3f}", f"{r['final_eval_loss']:.4f}",
                       f"{100 * (r['final_eval_loss'] / ref['final_eval_loss'] - 1):+.1f}%", f"{r['wire_bytes']:,}",
-                      f"{ref['wire_bytes'] / max(r['wire_bytes'], 1):,.2f}×", f"{r['tokens_merged']:,}")
+                      f"{ref['wire_bytes'] / max(r['wire_bytes'], 1):,.2f}×", f"{r['tokens_merged']:,}",
+                      *([f"{r.get('link_bytes_total', 0):,}"] if links else []))
     console = Console()
     if not console.is_terminal:  # piped to a file: no terminal width to fit, so do not squeeze the figures
         console = Console(width=160)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -57,6 +58,10 @@ class Plan:
     """Syncer processes, each serving the fragments p with p mod N = i (docs/architecture.md, Sharded syncers)."""
     pace: float | None = None
     """Seconds per step at speed 1 that every learner is padded to (None: unpaced); fixes each learner's capacity."""
+    link: float | None = None
+    """Bits per second each way of every learner's (dp: worker's) own shaped link (run/links.py); None: loopback."""
+    link_latency_ms: float = 0.0
+    """One-way delay that a proxy adds to each learner's connections to the syncer (not in dp)."""
 
 
 def make_plan(args) -> Plan:
@@ -85,6 +90,7 @@ def make_plan(args) -> Plan:
         raise ValueError(f"--syncer-shards must be at least 1, got {shards}")
     if shards > 1 and args.mode == "dp":
         raise ValueError("--syncer-shards applies to runs with a syncer; --mode dp has none")
+    link, latency = network(args)
     train = train_config(args)
     if args.model == "tiny":
         train = replace(train, model=TINY)
@@ -117,7 +123,37 @@ def make_plan(args) -> Plan:
         log.info("pacing every step at %.3f s (speed 1), measured on this machine", pace)
     pace = None if pace == "off" else pace
     return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
-                faults, tensorboard=getattr(args, "tensorboard", None), syncer_shards=shards, pace=pace)
+                faults, tensorboard=getattr(args, "tensorboard", None), syncer_shards=shards, pace=pace, link=link,
+                link_latency_ms=latency)
+
+
+def network(args) -> tuple[float | None, float]:
+    """(--link in bits per second or None, --link-latency-ms), checked before anything is written."""
+    from diloco.run.links import MAX_WORKERS, check_can_shape, parse_link
+
+    link = parse_link(args.link) if getattr(args, "link", None) else None
+    latency = getattr(args, "link_latency_ms", None) or 0.0
+    if not 0 <= latency < float("inf"):
+        raise ValueError(f"--link-latency-ms must be a number of milliseconds ≥ 0, got {latency}")
+    if latency and args.mode == "dp":
+        raise ValueError("--link-latency-ms is added by a proxy between learners and the syncer; data-parallel "
+                         "workers all-reduce with each other over gloo, which no proxy can carry (and this kernel has "
+                         "no netem): --mode dp gets --link's bandwidth shaping only")
+    if link is not None:
+        if args.learners > MAX_WORKERS:
+            raise ValueError(f"--link gives each of at most {MAX_WORKERS} learners a link; got --learners {args.learners}")
+        check_can_shape()
+    return link, latency
+
+
+def link_text(plan: Plan) -> str | None:
+    """The links as the report and the display name them: "5mbit each way, +40 ms", or None on loopback."""
+    from diloco.run.links import rate_text
+
+    link, latency = getattr(plan, "link", None), getattr(plan, "link_latency_ms", 0.0)
+    parts = [f"{rate_text(link)} each way"] if link else []
+    parts += [f"+{latency:g} ms to the syncer"] if latency else []
+    return ", ".join(parts) or None
 
 
 def budget_text(plan: Plan) -> str:
@@ -217,12 +253,23 @@ def run_local(args) -> int:
     plan = make_plan(args)
     progress = Progress(plan, enabled=not (args.json or args.no_progress))
     started = time.time()
-    if plan.mode == "dp":
-        from diloco.baselines.launch import run_dp
+    links = None
+    if plan.link is not None:
+        from diloco.run.links import ShapedLinks
 
-        learners, source = run_dp(plan, progress, on_tick=_dp_injector(plan) if plan.faults else None)
-    else:
-        learners, source = _run_with_syncer(plan, progress, args.snapshots, plan.faults)
+        links = ShapedLinks(plan.learners, plan.link)
+    with links or contextlib.nullcontext():  # removed on every way out: the end, an error, Ctrl-C, SIGTERM
+        if links is not None and progress.enabled:
+            progress.console.print(f"each {'worker' if plan.mode == 'dp' else 'learner'} behind its own link of "
+                                   f"{link_text(plan)}: namespaces {links.links[0].namespace[:-2]}-*")
+        if plan.mode == "dp":
+            from diloco.baselines.launch import run_dp
+
+            learners, source = run_dp(plan, progress, on_tick=_dp_injector(plan) if plan.faults else None, links=links)
+        else:
+            learners, source = _run_with_syncer(plan, progress, args.snapshots, plan.faults, links)
+    if links is not None:  # counted as the links came down, after every process had stopped
+        source["link_bytes"] = {f"learner-{i}": counts for i, counts in links.bytes.items()}
     report = build_report(plan, learners, source, started)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -232,7 +279,7 @@ def run_local(args) -> int:
     return 1 if failed else 0
 
 
-def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None):
+def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None, links=None):
     syncer_dir = plan.out / "syncer"
     syncer_args = ["--sync-config", str(plan.out / "sync_config.json")]
     if plan.tokens:
@@ -261,7 +308,7 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None)
     per_shard = [["--state", str(d), *syncer_args, *([] if n == 1 else ["--shard", f"{i}/{n}"])]
                  for i, d in enumerate(shard_dirs)]
     cluster = LocalCluster(plan.out, per_shard, learner_args, proxies=any(f.kind == "partition" for f in faults),
-                           ranks_per_learner=plan.ranks_per_learner)
+                           ranks_per_learner=plan.ranks_per_learner, links=links, latency_ms=plan.link_latency_ms)
     tape = None
     if faults:  # the faults on a tape beside the syncer's: `diloco inspect syncer/tape.jsonl faults.jsonl`
         from diloco.syncer.tape import Tape

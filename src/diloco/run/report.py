@@ -124,6 +124,7 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "pace": plan.pace,
         "pace_overruns": sum(s.get("pace_overruns") or 0 for s in learners),
         "uptime": accounting.uptime(advances, t0, t1, interval),
+        **link_fields(plan, source),
         "model_parameters": count_parameters(model),
         "step_seconds_median": step_median,
         "config": config,
@@ -144,6 +145,24 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
     (out / "report.json").write_text(json.dumps(report, indent=2))
     plot_curve(curve, plan.mode, out / "eval_loss.png")
     return report
+
+
+def link_fields(plan, source: dict) -> dict:
+    """The shaped links (`--link`, `--link-latency-ms`) and what crossed them: per learner the bytes its link
+    carried up (from it) and down (to it), counted by the kernel on the link's host end with Ethernet headers; in dp
+    a byte between two workers crosses both of their links, so it counts in each one's up or down."""
+    from diloco.run.local import link_text
+
+    fields = {"link": link_text(plan)}
+    if getattr(plan, "link", None):
+        fields["link_bits_per_second"] = plan.link
+    if getattr(plan, "link_latency_ms", 0):
+        fields["link_latency_ms"] = plan.link_latency_ms
+    per_link = source.get("link_bytes")
+    if per_link is not None:
+        fields["link_bytes"] = per_link
+        fields["link_bytes_total"] = sum(x["up"] + x["down"] for x in per_link.values())
+    return fields
 
 
 def write_tensorboard(curve: list[dict], log_dir: Path) -> None:
@@ -214,6 +233,9 @@ def print_summary(report: dict, console: Console) -> None:
         ("goodput", f"{report['goodput']:.3f}" + (" (paced)" if report.get("pace") else " (unpaced)")),
         ("uptime", f"{report['uptime']:.3f}"),
     ]
+    if report.get("link"):
+        crossed = f"; {human_bytes(report['link_bytes_total'])} crossed them" if "link_bytes_total" in report else ""
+        rows.append(("links", report["link"] + crossed))
     if report.get("pace"):
         steps = sum(s.get("steps", 0) for s in report["per_learner"]) or 1
         rows.append(("steps over their pace", f"{report['pace_overruns']:,} ({100 * report['pace_overruns'] / steps:.1f}%)"))
