@@ -61,3 +61,28 @@ def test_chaos_flags_are_checked(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "diloco", "run", "--chaos", "kill-one", "--steps", "10",
                            "--out", str(tmp_path / "r2")], capture_output=True, text=True)
     assert proc.returncode == 2 and "--chaos needs a --duration budget" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["diloco", "streaming"])
+def test_synchronous_modes_go_on_without_a_killed_learner(tmp_path, mode):
+    # K = all: once the killed learner has been silent for --absent-after-seconds, rounds close with the survivors
+    absent_after, killed_at, down = 2.0, 3.0, 8.0
+    scenario = tmp_path / "kill.json"
+    scenario.write_text(json.dumps([{"at": killed_at, "kind": "kill", "target": "learner-1", "duration": down}]))
+    report, out = chaos_run(tmp_path, str(scenario), "--mode", mode, "--absent-after-seconds", str(absent_after),
+                            "--pace", "off")
+    assert [f["kind"] for f in report["chaos"]["faults"]] == ["kill"]
+
+    def lines(learner):
+        return [json.loads(line) for line in (out / "metrics" / f"{learner}.jsonl").read_text().splitlines()]
+
+    killed = lines("learner-1")
+    lives = [i for i, x in enumerate(killed) if x["step"] == 1]
+    down_from = killed[lives[1] - 1 if len(lives) > 1 else -1]["t"]  # its last step before the kill
+    back_at = killed[lives[1]]["t"] if len(lives) > 1 else float("inf")
+    for survivor in ("learner-0", "learner-2"):
+        times = [x["t"] for x in lines(survivor)]
+        gaps = [b - a for a, b in zip(times, times[1:]) if down_from <= b and a <= back_at]
+        assert gaps, f"{survivor} took no step while learner-1 was down"
+        assert max(gaps) <= absent_after + 2.0, f"{survivor} stalled {max(gaps):.1f} s while learner-1 was down"
+    assert report["final_eval_loss"] < report["initial_eval_loss"]
