@@ -22,6 +22,12 @@ Definitions (printed under every table):
   the sender's link and the receiver's.
 - Budget: every mode gets the same --tokens (the learning-rate schedule is tied to it). With --budgets the modes
   other than dp try each budget, smallest first, and the table reports the smallest whose run reaches T.
+- --speeds and --chaos go to every mode. Faults need a time budget (--duration), under which dp's trajectory
+  depends on the link: its time to T is then read off its own eval curve, like every other mode's.
+  E.g. `--rates none,20mbit,5mbit --speeds 1,1,1,0.5`, or `--duration 40 --chaos kill-one` (T then comes from dp
+  under the same faults; --target sets it from a clean sweep instead).
+- dp on slow links is slow to run in full (the default model moves ~5 MB per worker per step: ~20 s a step at
+  2mbit); --dp-link-steps 30 measures its step time in 30 steps instead.
 
 Each run is one `diloco run --json`; the sweep is written to --json after every run and resumes from it.
 """
@@ -97,6 +103,11 @@ def speed_up(dp_time: float | None, mode_time: float | None) -> float | None:
 
 def budget_label(budget: float, kind: str) -> str:
     return f"{budget:g}s" if kind == "duration" else f"{int(budget)}"
+
+
+def budget_text(label: str) -> str:
+    """"300000" → "300,000 tokens"; "40s" stays."""
+    return f"{int(label):,} tokens" if label.isdigit() else label
 
 
 def run_key(mode: str, rate: str, label: str) -> str:
@@ -209,19 +220,21 @@ def cells(row: dict) -> list[str]:
     if row["mode"] == "dp" and row.get("time_to_T_curve") is not None and row["time_to_T"] is not None:
         time_to_t += f" (clock {row['time_to_T_curve']:.1f} s)"
     mb = "{:,.1f}*" if row["scaled"] else "{:,.1f}"
-    return ["unshaped" if row["rate"] == "none" else row["rate"], row["mode"], row["budget"],
+    budget = f"{int(row['budget']):,}" if row["budget"].isdigit() else row["budget"]
+    return ["unshaped" if row["rate"] == "none" else row["rate"], row["mode"], budget,
             num(row["step_seconds"], ".3f"), num(row["S"], ".1f", "×"), time_to_t, num(row["speed_up"], ".2f", "×"),
             num(row["share"], ".2f"), num(row["tokens_to_T"], ",.0f"), num(row["utilisation"], ".2f"),
             mb.format(row["wire_bytes"] / 1e6), "–" if row["link_bytes"] is None else mb.format(row["link_bytes"] / 1e6),
             num(row["final_loss"], ".4f")]
 
 
-def notes(results: dict) -> list[str]:
+def notes(results: dict, rows: list[dict]) -> list[str]:
     t = target(results)
     basis = (f"--target {t:.4f}" if results.get("target") is not None else
              f"dp's final unshaped loss × {1 + results['margin']:g} = {t:.4f}")
-    budget = (f"every mode {results['budget_label']} {results['kind']}" if not results.get("budgets") else
-              f"dp {results['budget_label']}; other modes the smallest of {', '.join(results['budgets'])} whose run "
+    budget = (f"every mode {budget_text(results['budget_label'])}" if not results.get("budgets") else
+              f"dp {budget_text(results['budget_label'])}; other modes the smallest of "
+              f"{', '.join(budget_text(b) for b in results['budgets'])} whose run "
               f"reaches T (the largest when none does)")
     dp_time = ("dp's time to T = (step at which its unshaped trajectory reaches T) × (its median s/step on the link); "
                "'clock' is the time read off its own eval curve on that link"
@@ -233,32 +246,34 @@ def notes(results: dict) -> list[str]:
             (f", chaos {results['chaos']}" if results.get("chaos") else "") + ".",
             f"{dp_time}. S = dp's s/step on the link ÷ unshaped; speed-up = dp's time to T ÷ the mode's.",
             "Utilisation = Σ busy step seconds ÷ (learners × training window). dp's link MB are halved (each byte "
-            "crosses two links). * dp ran only a probe of its step time on that link: its bytes are scaled to the "
-            "full budget; see the unshaped row for its loss."]
+            "crosses two links)." + (" * dp ran only a probe of its step time on that link: its bytes are scaled "
+                                     "to the full budget; see the unshaped row for its loss."
+                                     if any(r["scaled"] for r in rows) else "")]
 
 
 def markdown(results: dict) -> str:
     rows = analyse(results)
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     out += ["| " + " | ".join(cells(r)) + " |" for r in rows]
-    return "\n".join(out + [""] + notes(results)) + "\n"
+    return "\n".join(out + [""] + notes(results, rows)) + "\n"
 
 
 def print_table(results: dict) -> None:
     table = Table(title=f"time to target over shaped links (T = {target(results):.4f})", title_justify="left")
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("link", "mode") else "right")
-    for row in analyse(results):
+    rows = analyse(results)
+    for row in rows:
         table.add_row(*cells(row))
     console = Console(width=200)
     console.print(table)
-    for line in notes(results):
+    for line in notes(results, rows):
         console.print(line)
 
 
 def plot(results: dict, path: Path) -> None:
     """Time to T per mode against the link rate (log axes; unshaped drawn right of the fastest rate), with the
-    physical limit dp's time / S, which is dp's unshaped time to T."""
+    physical limit dp's time / S, which is dp's unshaped time to T. Rows that never reach T are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,7 +295,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(list(x_of.values()), ["unshaped" if r == "none" else r for r in x_of], rotation=30)
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("link per learner (each way)")
     ax.set_ylabel(f"seconds to held-out loss {target(results):.3f}")
     ax.set_title(f"time to target, model {results['model']}, {results['learners']} learners")

@@ -82,8 +82,8 @@ def test_markdown_of_a_small_sweep():
     text = wan.markdown(sweep())
     lines = text.splitlines()
     assert lines[0].startswith("| link | mode | budget |") and len(lines[1].split("|")) == len(wan.COLUMNS) + 2
-    assert "| unshaped | dp | 4096 | 0.100 | 1.0× | 5.0 s (clock 5.0 s) | 1.00× | 1.00 | 2,000 |" in text
+    assert "| unshaped | dp | 4,096 | 0.100 | 1.0× | 5.0 s (clock 5.0 s) | 1.00× | 1.00 | 2,000 |" in text
     assert "| 20mbit | dp | 10 steps | 0.500 | 5.0× | 25.0 s | 1.00× | 0.20 | 2,000 |" in text
-    assert "| 20mbit | decoupled | 4096 | 0.120 | 5.0× | not reached | – | – | – |" in text
+    assert "| 20mbit | decoupled | 4,096 | 0.120 | 5.0× | not reached | – | – | – |" in text
     assert "20.0*" in text and "10.0*" in text  # dp's probe bytes scaled to the full budget, marked
     assert "T = dp's final unshaped loss × 1.05 = 2.1000" in text
