@@ -197,7 +197,8 @@ def analyse(results: dict) -> list[dict]:
                    "utilisation": r["utilisation"], "wire_bytes": r["wire_bytes"], "link_bytes": r["link_bytes"],
                    "final_loss": r["final_loss"], "scaled": False}
             if mode == "dp":
-                row["time_to_T_curve"] = row["time_to_T"]
+                if computed:  # the time read off its own curve, beside the computed one
+                    row["time_to_T_curve"] = row["time_to_T"]
                 row["time_to_T"] = dp_time
                 if r["label"].endswith("steps") and dp0:  # a probe of its step time: bytes as over the full budget
                     scale = dp0["steps"] / r["steps"]
@@ -224,8 +225,8 @@ def cells(row: dict) -> list[str]:
     return ["unshaped" if row["rate"] == "none" else row["rate"], row["mode"], budget,
             num(row["step_seconds"], ".3f"), num(row["S"], ".1f", "×"), time_to_t, num(row["speed_up"], ".2f", "×"),
             num(row["share"], ".2f"), num(row["tokens_to_T"], ",.0f"), num(row["utilisation"], ".2f"),
-            mb.format(row["wire_bytes"] / 1e6), "–" if row["link_bytes"] is None else mb.format(row["link_bytes"] / 1e6),
-            num(row["final_loss"], ".4f")]
+            mb.format(row["wire_bytes"] / 1e6),
+            "–" if row["link_bytes"] is None else mb.format(row["link_bytes"] / 1e6), num(row["final_loss"], ".4f")]
 
 
 def notes(results: dict, rows: list[dict]) -> list[str]:
@@ -243,7 +244,8 @@ def notes(results: dict, rows: list[dict]) -> list[str]:
                "trajectory)")
     return [f"T = {basis}. Budget: {budget}; model {results['model']}, {results['learners']} learners, seed "
             f"{results['seed']}" + (f", speeds {results['speeds']}" if results.get("speeds") else "") +
-            (f", chaos {results['chaos']}" if results.get("chaos") else "") + ".",
+            (f", chaos {results['chaos']}" if results.get("chaos") else "") +
+            (f", every step paced to {results['pace']:.3f} s at speed 1" if results.get("pace") else "") + ".",
             f"{dp_time}. S = dp's s/step on the link ÷ unshaped; speed-up = dp's time to T ÷ the mode's.",
             "Utilisation = Σ busy step seconds ÷ (learners × training window). dp's link MB are halved (each byte "
             "crosses two links)." + (" * dp ran only a probe of its step time on that link: its bytes are scaled "
