@@ -62,6 +62,8 @@ class Plan:
     """Bits per second each way of every learner's (dp: worker's) own shaped link (run/links.py); None: loopback."""
     link_latency_ms: float = 0.0
     """One-way delay that a proxy adds to each learner's connections to the syncer (not in dp)."""
+    snapshots: int = 8
+    """Global-model snapshots over the budget, for the eval-loss curve (`--snapshots`; dp: every steps/N steps)."""
 
 
 def make_plan(args) -> Plan:
@@ -124,7 +126,7 @@ def make_plan(args) -> Plan:
     pace = None if pace == "off" else pace
     return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
                 faults, tensorboard=getattr(args, "tensorboard", None), syncer_shards=shards, pace=pace, link=link,
-                link_latency_ms=latency)
+                link_latency_ms=latency, snapshots=max(1, getattr(args, "snapshots", 8)))
 
 
 def network(args) -> tuple[float | None, float]:
