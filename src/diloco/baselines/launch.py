@@ -145,7 +145,7 @@ def run_dp(plan, progress, on_tick: Callable[[Procs], None] | None = None, max_r
     tokens_per_round = plan.learners * plan.train.tokens_per_step()
     steps = plan.steps or (-(-plan.tokens // tokens_per_round) if plan.tokens else None)
     job = {"steps": steps, "duration": plan.duration, "checkpoint_every": checkpoint_every,
-           "snapshot_every": max(1, steps // getattr(plan, "snapshots", 8)) if steps else 25}
+           "snapshot_every": max(1, steps // plan.snapshots) if steps else 25}
     restarts: list[dict] = []
     procs: Procs = {}
     try:
