@@ -9,8 +9,8 @@ from torch import nn
 from diloco import Learner, LocalSyncer, LocalTransport, ServerOptions, SyncerThread, for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.staging import snapshot, to_device
-from diloco.learner.transport import JoinInfo
 from diloco.syncer.core import SyncerCore
+from recording import Recording
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -42,28 +42,6 @@ def test_snapshots_reach_pinned_host_memory_and_values_come_back():
     back = to_device(host, DEVICE)
     torch.cuda.current_stream().synchronize()
     assert torch.equal(back.cpu(), expected)
-
-
-class Recording:
-    """A transport that keeps push jobs without reading them, so only the training thread's work is observed."""
-
-    def __init__(self, cfg):
-        self.cfg, self.jobs, self.stop_requested, self.budget_progress = cfg, [], False, None
-
-    def join(self, learner_id, specs, initial):
-        return JoinInfo(self.cfg, "s", [(i, 0, v) for i, v in enumerate(initial(self.cfg.fragments))])
-
-    def push(self, job):
-        self.jobs.append(job)
-
-    def arrivals(self, timeout=None):
-        return []
-
-    def report(self, **progress):
-        pass
-
-    def take_phase_lead(self):
-        return None
 
 
 def test_a_step_never_synchronises_the_training_thread_with_the_device():

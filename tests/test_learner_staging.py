@@ -9,9 +9,9 @@ from torch import nn
 from diloco import Learner, for_mode
 from diloco import codec
 from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta
-from diloco.learner.transport import JoinInfo
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire.messages import Assembler, blobs
+from recording import Recording
 
 
 def test_a_staged_delta_is_base_minus_values_rounded_to_bf16():
@@ -52,40 +52,24 @@ def test_live_values_read_across_tensor_boundaries():
     assert torch.equal(live.host(), torch.arange(13.0))
 
 
-class Recording:
-    """A transport that keeps the push jobs; `at_push` records Δ computed exactly from the model at each push."""
+class ExactRecording(Recording):
+    """Also records Δ computed exactly from the model at each push."""
 
     def __init__(self, cfg):
-        self.cfg, self.jobs, self.exact = cfg, [], []
-        self.stop_requested, self.budget_progress, self.learner = False, None, None
-        self.closed = False
-
-    def join(self, learner_id, specs, initial):
-        return JoinInfo(self.cfg, "s", [(i, 0, v.clone()) for i, v in enumerate(initial(self.cfg.fragments))])
+        super().__init__(cfg)
+        self.exact, self.learner = [], None
 
     def push(self, job):
         tensors = self.learner._tensors(self.learner.layout[job.fragment])
         self.exact.append(job.base - torch.cat([t.detach().reshape(-1).float() for t in tensors]))
-        self.jobs.append(job)
-
-    def arrivals(self, timeout=None):
-        return []
-
-    def report(self, **progress):
-        pass
-
-    def take_phase_lead(self):
-        return None
-
-    def close(self, timeout=None):
-        self.closed = True
+        super().push(job)
 
 
-def trained_learner(steps: int = 6, **overrides) -> tuple[Learner, Recording, nn.Module]:
+def trained_learner(steps: int = 6, **overrides) -> tuple[Learner, ExactRecording, nn.Module]:
     cfg = for_mode("decoupled", 1, fragments=2, sync_every=4, **overrides)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32), nn.Linear(32, 50))
-    transport = Recording(cfg)
+    transport = ExactRecording(cfg)
     learner = Learner(model, transport, "a")
     transport.learner = learner
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
