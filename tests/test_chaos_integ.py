@@ -10,10 +10,10 @@ import pytest
 pytestmark = pytest.mark.timeout(200)
 
 
-def chaos_run(tmp_path, scenario, *flags):
+def chaos_run(tmp_path, scenario, *flags, duration=18):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "3", "--duration",
-                           "18", "--chaos", scenario, "--json", "--out", str(out), *flags],
+                           str(duration), "--chaos", scenario, "--json", "--out", str(out), *flags],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout), out
@@ -69,8 +69,9 @@ def test_synchronous_modes_go_on_without_a_killed_learner(tmp_path, mode):
     absent_after, killed_at, down = 2.0, 3.0, 8.0
     scenario = tmp_path / "kill.json"
     scenario.write_text(json.dumps([{"at": killed_at, "kind": "kill", "target": "learner-1", "duration": down}]))
+    # long enough after the restart for the killed learner to start, rejoin and finish on a busy machine
     report, out = chaos_run(tmp_path, str(scenario), "--mode", mode, "--absent-after-seconds", str(absent_after),
-                            "--pace", "off")
+                            "--pace", "off", duration=28)
     assert [f["kind"] for f in report["chaos"]["faults"]] == ["kill"]
 
     def lines(learner):

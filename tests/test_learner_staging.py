@@ -146,3 +146,23 @@ def test_the_assembler_refuses_disorder_disagreement_overrun_and_size():
         Assembler().add(first)
     with pytest.raises(codec.CorruptPayload, match="limit"):
         Assembler(max_payload_bytes=len(payload.data) - 1).add(chunks[0])
+
+
+def test_the_transports_worker_threads_run_at_a_lower_priority_than_training():
+    import os
+    import threading
+
+    from diloco.learner.grpc_transport import BACKGROUND_NICE, background
+
+    seen = {}
+
+    def loop():
+        tid = threading.get_native_id()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=background(loop))
+    thread.start()
+    thread.join()
+    assert seen["nice"] == min(19, before + BACKGROUND_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the caller's is unchanged

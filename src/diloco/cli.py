@@ -39,10 +39,10 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--grace", type=float, help="fixed grace window in seconds (default: adaptive)")
     g.add_argument("--grace-expect-steps", type=float, metavar="STEPS",
                    help="keep a round open for learners predicted to push within this many steps of its opening "
-                        "(6; 0: grace window only)")
+                        "(0, the default: the grace window only; 6 helped at 2k-token batches)")
     g.add_argument("--merge", choices=("rda", "mean"), help="merge rule for non-embedding tensors (rda)")
-    g.add_argument("--outer-lr", type=float, help="η of the Nesterov outer step (0.7)")
-    g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (0.9)")
+    g.add_argument("--outer-lr", type=float, help="η of the Nesterov outer step (decoupled: 1; others: 0.7)")
+    g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (decoupled: 0; others: 0.9)")
     g.add_argument("--max-staleness", type=int, help="refuse contributions this many versions behind (16)")
     g.add_argument("--max-steps-ratio", type=float,
                    help="refuse contributions of more than this many times H local steps (0: merge them, counted as H)")
@@ -63,9 +63,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--blend", type=float, help="α: θ ← α·θ + (1−α)·Θ on apply (0: overwrite); needs --no-keep-overlap")
     g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")
     g.add_argument("--keep-overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="on apply keep the local progress made since the push (decoupled: on; others: overwrite)")
+                   help="on apply keep the local progress made since the push (off: overwrite, the default)")
     g.add_argument("--align-pushes", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep learners' push schedules in phase with their peers' (decoupled: on)")
+                   help="keep learners' push schedules in phase with their peers' (off by default)")
     g.add_argument("--sync-buffers", action=argparse.BooleanOptionalAction, default=None,
                    help="average floating-point buffers (BatchNorm statistics) every H steps (on); "
                         "--no-sync-buffers keeps them local after join")

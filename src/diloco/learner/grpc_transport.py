@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -64,6 +65,28 @@ def tls_problem(details: str, address: str) -> str | None:
 
 def _mb(done: int, total: int = 0) -> str:
     return f"{done / 1e6:.1f} of {total / 1e6:.1f} MB" if total else f"{done / 1e6:.1f} MB"
+
+
+BACKGROUND_NICE = 10
+"""How much lower than the training thread's the sender's and receiver's CPU priority is (a nice value)."""
+
+
+def as_background() -> None:
+    """Lower this thread's CPU priority by BACKGROUND_NICE, so that encoding and decoding give way to the training
+    thread where cores are short (Linux gives each thread its own nice value; elsewhere a no-op). The heartbeat
+    thread keeps its priority: it is what tells the syncer this learner is alive."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        pass
+
+
+def background(loop):
+    def run() -> None:
+        as_background()
+        loop()
+    return run
 
 
 class Stalled(Exception):
@@ -217,7 +240,8 @@ class GrpcTransport(HeartbeatNews):
         self.config, self.session = info.config, info.session
         self.receiver.reset(info.fragments)
         heap.release_after(self._max_payload)  # the join's message buffers, freed but still held by the heap
-        for name, target in (("sender", self._send_loop), ("receiver", self._receive_loop), ("heartbeat", self._heartbeat_loop)):
+        for name, target in (("sender", background(self._send_loop)), ("receiver", background(self._receive_loop)),
+                             ("heartbeat", self._heartbeat_loop)):
             thread = threading.Thread(target=target, name=f"learner-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)

@@ -1,0 +1,111 @@
+"""What costs decoupled mode tokens against data-parallel: tokens to dp's quality, per variant of the settings.
+
+    python benchmarks/token_gap.py --model tiny --tokens 1600000 --seeds 0,1 \\
+        --variant default= --variant H12="--sync-every 12 --fragments 12" --json runs/token_gap.json
+    python benchmarks/token_gap.py --markdown runs/token_gap.json
+
+dp runs once per seed on loopback with the budget; T is its final held-out loss × (1 + --margin). Every variant is a
+`diloco run` of --mode (decoupled) with the same model, data, seed and budget plus the variant's flags; the table
+reports tokens to T ÷ dp's tokens to T (the figure that divides every speed-up over slow links: benchmarks/wan.py),
+and the final loss against dp's, each as the mean over seeds with its range. Links play no part: tokens to T do not
+depend on them. The sweep is written to --json after every run and resumes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wan import first_reach, run_once  # noqa: E402  (a sibling script)
+
+
+def ratio_rows(results: dict, margin: float) -> list[dict]:
+    """Per variant: tokens to T over dp's (per seed) and final loss minus dp's, where T = dp's final × (1 + margin)."""
+    rows = []
+    for name in results["variants"]:
+        ratios, deltas, finals = [], [], []
+        for seed in results["seeds"]:
+            dp, run = results["runs"].get(f"dp@{seed}"), results["runs"].get(f"{name}@{seed}")
+            if not dp or not run:
+                continue
+            t = dp["final_loss"] * (1 + margin)
+            dp_reach, reach = first_reach(dp["curve"], t), first_reach(run["curve"], t)
+            ratios.append(reach["tokens"] / dp_reach["tokens"] if reach and dp_reach else float("inf"))
+            deltas.append(run["final_loss"] - dp["final_loss"])
+            finals.append(run["final_loss"])
+        if ratios:
+            rows.append({"variant": name, "flags": results["variants"][name], "tokens_ratio": ratios,
+                         "final_minus_dp": deltas, "final": finals})
+    return rows
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    if any(x == float("inf") for x in xs):
+        return "not reached in " + ", ".join("–" if x == float("inf") else format(x, fmt) for x in xs)
+    mid = statistics.fmean(xs)
+    return f"{mid:{fmt}} ({min(xs):{fmt}}–{max(xs):{fmt}})" if len(xs) > 1 else f"{mid:{fmt}}"
+
+
+def markdown(results: dict, margin: float) -> str:
+    dp_final = [results["runs"][f"dp@{s}"]["final_loss"] for s in results["seeds"] if f"dp@{s}" in results["runs"]]
+    lines = [f"dp's final loss {spread(dp_final, '.4f')}; T = dp's final × {1 + margin:g}, per seed.", "",
+             "| variant | flags | tokens to T ÷ dp's | final loss − dp's |", "|---|---|---|---|"]
+    for r in ratio_rows(results, margin):
+        lines.append(f"| {r['variant']} | `{r['flags'] or '(defaults)'}` | {spread(r['tokens_ratio'], '.2f')}× | "
+                     f"{spread(r['final_minus_dp'], '+.4f')} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", choices=("tiny", "small"))
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=1_600_000, help="token budget of every run (1,600,000)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (0)")
+    p.add_argument("--mode", default="decoupled", choices=("decoupled", "streaming", "diloco"))
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="a variant: its name and the `diloco run` flags it adds (repeatable; default=… for none)")
+    p.add_argument("--margin", type=float, default=0.05, help="T = dp's final loss × (1 + margin) (0.05)")
+    p.add_argument("--snapshots", type=int, default=20, help="eval points per run (20)")
+    p.add_argument("--json", type=Path, help="where the sweep is kept (and resumed from)")
+    p.add_argument("--markdown", type=Path, metavar="JSON", help="print the table of a sweep and exit")
+    args = p.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text()), args.margin))
+        return 0
+    variants = {}
+    for v in args.variant or ["default="]:
+        name, sep, flags = v.partition("=")
+        if not sep or not name:
+            p.error(f"--variant wants NAME=FLAGS, got {v!r}")
+        variants[name] = flags
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = json.loads(args.json.read_text()) if args.json and args.json.exists() else {"runs": {}}
+    results.update(model=args.model, tokens=args.tokens, seeds=sorted(set(results.get("seeds", [])) | set(seeds)),
+                   variants={**results.get("variants", {}), **variants})
+    out = Path("runs") / "token_gap"
+    args.speeds = args.chaos = args.pace = None  # run_once's other knobs: none here
+    for seed in seeds:
+        args.seed = seed
+        todo = [("dp", "dp", "")] + [(name, args.mode, flags) for name, flags in variants.items()]
+        for name, mode, flags in todo:
+            key = f"{name}@{seed}"
+            if key in results["runs"]:
+                continue
+            print(f"running {key} ({mode} {flags})", file=sys.stderr, flush=True)
+            results["runs"][key] = run_once(mode, "none", ["--tokens", str(args.tokens)], args, shlex.split(flags),
+                                            out / f"{name}-s{seed}")
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=1))
+    print(markdown(results, args.margin))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
