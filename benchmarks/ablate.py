@@ -29,6 +29,8 @@ MECHANISMS = {
     "keep-overlap": (["--keep-overlap"], ["--no-keep-overlap"]),
     "align-pushes": (["--align-pushes"], ["--no-align-pushes"]),
     "predicted-pushes": (["--grace-expect-steps", "6"], ["--grace-expect-steps", "0"]),
+    # rounds open for the peers predicted within a cycle, learners keeping their progress meanwhile
+    "wait-for-peers": (["--keep-overlap", "--grace-expect-steps", "24"], ["--no-keep-overlap", "--grace-expect-steps", "0"]),
     "partial-round-scaling": (["--scale-partial-rounds"], ["--no-scale-partial-rounds"]),
     "delayed-momentum": (["--delayed-momentum"], ["--no-delayed-momentum"]),
     "long-contribution-clamp": (["--clamp-long-contributions"], ["--no-clamp-long-contributions"]),

@@ -21,8 +21,14 @@ def test_the_paper_preset_turns_off_every_mechanism_marked_ours():
     assert (paper.outer_lr, paper.outer_momentum, paper.down_codec) == (0.7, 0.9, "fp32")
     assert (paper.fragments, paper.quorum, paper.codec, paper.merge) == (24, 1, "int4", "rda")  # the mode's
     assert default.scale_partial_rounds and default.clamp_long_contributions
-    # measured not to pay off (docs/results.md, the ablation): off by default, each still a switch
-    assert not (default.keep_overlap or default.align_pushes or default.grace_expect_steps)
+    # rounds wait a cycle for predicted peers, learners keeping their progress meanwhile (docs/results.md, "What
+    # costs tokens"); push alignment measured not to pay off: off, still a switch
+    assert default.keep_overlap and default.grace_expect_steps == default.sync_every == 24
+    assert for_mode("decoupled", 4, sync_every=12).grace_expect_steps == 12  # one cycle, whatever H
+    assert for_mode("decoupled", 4, grace_expect_steps=0).grace_expect_steps == 0
+    assert not default.align_pushes
+    assert not any(getattr(for_mode(m, 4), "keep_overlap") or for_mode(m, 4).grace_expect_steps
+                   for m in ("diloco", "streaming"))  # the baselines stay the methods they reproduce
 
 
 def test_flags_override_the_preset_and_unknown_presets_are_refused():

@@ -39,7 +39,7 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--grace", type=float, help="fixed grace window in seconds (default: adaptive)")
     g.add_argument("--grace-expect-steps", type=float, metavar="STEPS",
                    help="keep a round open for learners predicted to push within this many steps of its opening "
-                        "(0, the default: the grace window only; 6 helped at 2k-token batches)")
+                        "(decoupled: H, one cycle; 0: the grace window only)")
     g.add_argument("--merge", choices=("rda", "mean"), help="merge rule for non-embedding tensors (rda)")
     g.add_argument("--outer-lr", type=float, help="η of the Nesterov outer step (decoupled: 1; others: 0.7)")
     g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (decoupled: 0; others: 0.9)")
@@ -63,7 +63,7 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--blend", type=float, help="α: θ ← α·θ + (1−α)·Θ on apply (0: overwrite); needs --no-keep-overlap")
     g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")
     g.add_argument("--keep-overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="on apply keep the local progress made since the push (off: overwrite, the default)")
+                   help="on apply keep the local progress made since the push (decoupled: on; others: overwrite)")
     g.add_argument("--align-pushes", action=argparse.BooleanOptionalAction, default=None,
                    help="keep learners' push schedules in phase with their peers' (off by default)")
     g.add_argument("--sync-buffers", action=argparse.BooleanOptionalAction, default=None,

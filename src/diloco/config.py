@@ -47,9 +47,10 @@ class SyncConfig:
     grace_cap_steps: float = 1.0
     """Cap of the adaptive grace window, in learner step times."""
     grace_expect_steps: float = 0.0
-    """Ours (0, the default, is the paper's window alone; off by measurement, docs/results.md). Also keep a round open for live learners whose push of the fragment is predicted (from their last push and
-    step time) within this many step times of the round's opening; 0 leaves only the grace window. Learners never
-    wait for it: a later merged fragment is applied when it arrives."""
+    """Ours (0 is the paper's window alone; decoupled mode: H, one cycle, by measurement, docs/results.md). Also keep
+    a round open for live learners whose push of the fragment is predicted (from their last push and step time)
+    within this many step times of the round's opening. Learners never wait for it: a later merged fragment is
+    applied when it arrives (with keep_overlap, without losing the steps taken meanwhile)."""
     align_pushes: bool = False
     """Ours. Keep each learner's push schedule in phase with the longest-running learner of similar speed: one the
     syncer reports k ≥ 1 steps behind pushes the next k steps' fragments early as well, one k ahead pushes
@@ -86,8 +87,10 @@ class SyncConfig:
     blend: float = 0.0
     """α: a learner sets θ ← α·θ + (1−α)·Θ on apply; 0 overwrites (the published default)."""
     keep_overlap: bool = False
-    """Ours (off is the paper's overwrite). On apply, keep the local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding
-    those τ steps (overwrite). Their steps and tokens then count toward the next push."""
+    """Ours (off is the paper's overwrite; decoupled mode: on, by measurement, docs/results.md). On apply, keep the
+    local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding the steps between push and
+    apply (overwrite). Their steps and tokens then count toward the next push. Costs an fp32 copy of every
+    fragment in flight."""
     sync_buffers: bool = True
     """Average floating-point buffers (e.g. BatchNorm running statistics) across learners: each learner sends them
     with its push of fragment 0 (every H steps) and the syncer sets them to the token-weighted mean of what arrived.
@@ -139,10 +142,13 @@ def for_mode(mode: str, learners: int, preset: str | None = None, **overrides) -
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose {' or '.join(PRESETS)}")
     base = {
-        # outer η = 1, μ = 0 measured best for K = 1; keeping the overlap, push alignment and predicted pushes
-        # did not pay off, alone or together, so they are off (docs/results.md). The synchronous modes keep
-        # DiLoCo's published 0.7 / 0.9, as the methods they reproduce
-        "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4", outer_lr=1.0, outer_momentum=0.0),
+        # outer η = 1, μ = 0 measured best for K = 1. Rounds stay open for the peers predicted to push within one
+        # cycle (H steps), and learners keep their progress meanwhile: equal-speed learners drift many steps apart,
+        # and rounds of one contributor cost most of the gap to dp's tokens (docs/results.md, "What costs tokens").
+        # Push alignment did not pay off. The synchronous modes keep DiLoCo's published 0.7 / 0.9, as the methods
+        # they reproduce
+        "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4", outer_lr=1.0, outer_momentum=0.0,
+                          keep_overlap=True, grace_expect_steps=float(overrides.get("sync_every") or SyncConfig.sync_every)),
         # the baselines average outer gradients, as the methods they reproduce (RDA is Decoupled DiLoCo's rule)
         "streaming": dict(quorum=learners, wait_for_merge=True, codec="bf16", down_codec="fp32", merge="mean"),
         "diloco": dict(fragments=1, overlap=0, quorum=learners, wait_for_merge=True, codec="fp32", down_codec="fp32",
