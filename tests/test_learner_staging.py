@@ -1,6 +1,8 @@
-"""What a CPU learner holds for a push: Δ staged in bf16 in one reused buffer (int4 pushes), an fp32 snapshot where
-the apply needs the local values (keep-overlap), values read only at encoding when finishing; and payloads
-assembled into one buffer as their chunks arrive."""
+"""What a CPU learner holds for a push: Δ staged in bf16 in one reused buffer (int4 pushes), kept until the apply
+where it reads the local values at the push back (keep-overlap), an fp32 snapshot for other codecs, values read
+only at encoding when finishing; and payloads assembled into one buffer as their chunks arrive."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +11,8 @@ from torch import nn
 from diloco import Learner, for_mode
 from diloco import codec
 from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta
+from diloco.learner.transport import Arrival, Receiver
+from diloco.syncer.downlink import tensor_checksum
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire.messages import Assembler, blobs
 from recording import Recording
@@ -96,12 +100,49 @@ def test_int4_pushes_stage_delta_in_bf16_and_encode_within_int4_error():
     assert not learner._arena._lent
 
 
-@pytest.mark.parametrize("overrides", [dict(keep_overlap=True, codec="int4"), dict(keep_overlap=False, codec="fp32")])
+@pytest.mark.parametrize("overrides", [dict(keep_overlap=True, codec="fp32"), dict(keep_overlap=False, codec="fp32")])
 def test_pushes_that_need_exact_local_values_keep_an_fp32_snapshot(overrides):
     _, transport, _ = trained_learner(**overrides)
     for job, exact in zip(transport.jobs, transport.exact):
         assert job.staged is None and isinstance(job.local, Snapshot)
         assert torch.equal(job.delta, exact)
+
+
+def test_keep_overlap_reads_the_values_at_the_push_back_from_a_kept_staged_delta():
+    learner, transport, model = trained_learner(keep_overlap=True, codec="int4")
+    assert transport.jobs and not learner._arena._lent  # kept Δs have buffers of their own
+    for job, exact in zip(transport.jobs, transport.exact):
+        slot = learner._slot[job.fragment]
+        staged, base = job.staged, job.base
+        assert staged is not None and staged.kept and slot.pushed[0] is staged
+        job.payload("int4")  # encoded: the sender is done with it, the learner is not
+        assert job.staged is None and staged.values is not None
+        tensors = learner._tensors(slot.fragment)
+        now = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        at_push = base - exact
+        merged = base + 0.01 * torch.randn(base.numel())
+        slot.ready = Arrival(job.fragment, slot.version + 1, merged, "", job.seq)
+        learner._apply(job.fragment, learner._reads_local(slot))
+        after = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        # θ ← Θ + (θ − θ at push), with θ at push read back as base − Δ (Δ rounded to bf16)
+        assert torch.allclose(after, merged + (now - at_push), rtol=0, atol=float(exact.abs().max()) * 2**-8 + 1e-6)
+        assert slot.pushed is None and slot.base is merged
+
+
+def test_a_receiver_keeps_the_base_a_kept_push_was_computed_from():
+    base = torch.randn(1000)
+    change = codec.encode(0.01 * torch.randn(1000), "int8")
+    for in_place in (True, False):
+        receiver = Receiver()
+        held = base.clone()
+        receiver.reset([(0, 0, held)], in_place=in_place)
+        new = held + codec.decode(change)
+        pub = SimpleNamespace(fragment=0, version=1, seq=1, full=False, payload=change,
+                              result_checksum=tensor_checksum(new))
+        assert receiver.accept(pub)
+        (arrival,) = receiver.drain(None)
+        assert torch.equal(arrival.values, new)
+        assert (arrival.values is held) == in_place and torch.equal(held, new if in_place else base)
 
 
 def test_finish_reads_each_fragment_only_when_its_payload_is_made():

@@ -46,8 +46,13 @@ class FragmentSlot:
     """Sequence number of that push: only the answer to it is applied."""
     ready: Arrival | None = None
     """A merged result that arrived and waits for its apply step."""
-    pushed: tuple[Snapshot, int, int] | None = None
-    """(local values, steps, tokens) at the push, for keeping the overlapped progress on apply."""
+    pushed: tuple[Snapshot | StagedDelta, int, int] | None = None
+    """(local values, or Δ = base − them, steps, tokens) at the push, for keeping the overlapped progress on apply."""
+
+    def at_push(self) -> torch.Tensor:
+        """The fragment's local values at the push, flat fp32 on the model's device (keep-overlap)."""
+        taken = self.pushed[0]
+        return self.base - taken.values.float() if isinstance(taken, StagedDelta) else taken.device()
 
 
 def _refuse_lone_rank(model: nn.Module) -> None:
@@ -325,12 +330,12 @@ class Learner:
         taken = staged = None
         if finishing and not self.sharded:
             taken = LiveValues(local)
-        elif not keep and not self.sharded and self.device.type == "cpu" and self.config.codec == "int4":
-            staged = StagedDelta(slot.base, local, self._arena)
+        elif not self.sharded and self.device.type == "cpu" and self.config.codec == "int4":
+            staged = StagedDelta(slot.base, local, self._arena, kept=keep)
         else:
             taken = snapshot(local)
         if keep:
-            slot.pushed = (taken, slot.steps, slot.tokens)
+            slot.pushed = (staged if staged is not None else taken, slot.steps, slot.tokens)
         self._seq += 1
         self.transport.push(PushJob(p, slot.base, taken, slot.version, slot.steps, slot.tokens, self._seq,
                                     self.data_position, staged))
@@ -389,19 +394,24 @@ class Learner:
     def _apply_in_place(self, slot: FragmentSlot, reads_local: bool) -> None:
         """Apply tensor by tensor, in place: no flat copy of the fragment on the training thread."""
         values = to_device(slot.ready.values, self.device)
-        taken = slot.pushed[0].device() if reads_local and self.config.keep_overlap and slot.pushed else None
+        keep = reads_local and self.config.keep_overlap and slot.pushed is not None
+        staged = slot.pushed[0] if keep and isinstance(slot.pushed[0], StagedDelta) else None
+        taken = slot.pushed[0].device() if keep and staged is None else None
         offset = 0
         with torch.no_grad():
             for spec, t in zip(slot.fragment.specs, self._tensors(slot.fragment)):
                 new = values[offset : offset + spec.numel].view(t.shape)
+                span = slice(offset, offset + spec.numel)
                 if taken is not None:  # θ ← Θ + (θ − θ at push): the steps taken since the push stay
-                    t.sub_(taken[offset : offset + spec.numel].view(t.shape)).add_(new)
+                    t.sub_(taken[span].view(t.shape)).add_(new)
+                elif staged is not None:  # θ at push = base − Δ: θ ← Θ + (θ − base) + Δ
+                    t.sub_(slot.base[span].view(t.shape)).add_(staged.values[span].view(t.shape)).add_(new)
                 elif reads_local:
                     t.mul_(self.config.blend).add_(new, alpha=1 - self.config.blend)
                 else:
                     t.copy_(new)
                 offset += spec.numel
-        self._settle(slot, keep=taken is not None)
+        self._settle(slot, keep=keep)
 
     def _merged_values(self, slot: FragmentSlot, local: list[torch.Tensor] | None) -> torch.Tensor:
         """The fragment's new values as one flat vector on the model's device (islands broadcast it)."""
@@ -410,7 +420,7 @@ class Learner:
         if local is not None:
             now = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in local])
             if keep:
-                values = values + (now - slot.pushed[0].device())  # steps taken since the push stay
+                values = values + (now - slot.at_push())  # steps taken since the push stay
             else:
                 values = self.config.blend * now + (1 - self.config.blend) * values
         self._settle(slot, keep)

@@ -129,10 +129,14 @@ class DeltaArena:
 
 
 class StagedDelta:
-    """Δ = base − θ of one fragment at one step, as flat bf16 values; `release()` once encoded."""
+    """Δ = base − θ of one fragment at one step, as flat bf16 values; `release()` once encoded. A `kept` Δ has a
+    buffer of its own and outlives its encoding: keep-overlap reads θ at the push back from it (base − Δ) when the
+    merged fragment is applied, at half the memory of an fp32 snapshot."""
 
-    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena):
-        self.values, self._lent = arena.take(base.numel())
+    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena, kept: bool = False):
+        self.kept = kept
+        self.values, self._lent = (torch.empty(base.numel(), dtype=torch.bfloat16), False) if kept else \
+            arena.take(base.numel())
         self._arena = arena
         offset = 0
         with torch.no_grad():
@@ -144,7 +148,10 @@ class StagedDelta:
                 offset += flat.numel()
 
     def release(self) -> None:
-        """The values are no longer needed (their payload is made): the arena may lend its buffer again."""
+        """The values are no longer needed (their payload is made): the arena may lend its buffer again. A kept Δ
+        stays until the learner drops it on apply."""
+        if self.kept:
+            return
         if self._lent:
             self._arena.give_back()
         self.values, self._lent = None, False

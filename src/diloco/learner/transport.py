@@ -124,13 +124,17 @@ class Receiver:
 
     def __init__(self) -> None:
         self.held: dict[int, torch.Tensor] = {}
+        self.in_place = True
         self.inbox: queue.Queue[Arrival] = queue.Queue()
         self.pin_memory = False
         """Put arriving values in pinned memory (a CUDA learner copies them to the device without waiting)."""
 
-    def reset(self, fragments: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Start from the join's values; they are shared with the learner's bases, never changed in place."""
+    def reset(self, fragments: list[tuple[int, int, torch.Tensor]], in_place: bool = True) -> None:
+        """Start from the join's values; they are shared with the learner's bases, never changed in place.
+        `in_place`: decode a change into the values it changes (the base a push was computed from is then gone by
+        its apply: keep-overlap, which reads it back, needs False)."""
         self.held = {i: v for i, _, v in fragments}
+        self.in_place = in_place
 
     def forget(self, fragment: int) -> None:
         """Stop tracking a fragment that is never published again (frozen tensors set on join)."""
@@ -142,8 +146,11 @@ class Receiver:
         answer to the push it waits for, and pushes are numbered from 1."""
         if pub.full:
             values = codec.decode(pub.payload)
-        else:  # in place: a big fragment's change never needs a second copy of it. Nothing else reads these values
-            values = self.held[pub.fragment]  # until this answer is applied, and no push of it awaits encoding then
+        elif self.in_place:  # a big fragment's change never needs a second copy of it. Nothing else reads these
+            values = self.held[pub.fragment]  # values until this answer is applied, nor awaits encoding then
+            codec.decode_add(pub.payload, values)
+        else:  # the learner's base stays as it was until the apply (kept progress is measured against it)
+            values = self.held[pub.fragment].clone()
             codec.decode_add(pub.payload, values)
         if tensor_checksum(values) != pub.result_checksum:
             return False
@@ -203,7 +210,7 @@ class LocalTransport(HeartbeatNews):
                 raise SyncerError(str(e)) from None
             receiver = self.local.receivers.setdefault(learner_id, Receiver())
             fragments = core.snapshot_for_join(learner_id)  # copies already
-            receiver.reset(fragments)
+            receiver.reset(fragments, in_place=not core.cfg.keep_overlap)
             return JoinInfo(core.cfg, self.session, fragments, core.learners[learner_id].data_position)
 
     @property
