@@ -83,7 +83,11 @@ def test_synchronous_modes_go_on_without_a_killed_learner(tmp_path, mode):
     back_at = killed[lives[1]]["t"] if len(lives) > 1 else float("inf")
     for survivor in ("learner-0", "learner-2"):
         times = [x["t"] for x in lines(survivor)]
-        gaps = [b - a for a, b in zip(times, times[1:]) if down_from <= b and a <= back_at]
-        assert gaps, f"{survivor} took no step while learner-1 was down"
+        # steps that ended while learner-1 was down. Not after its return: a learner that rejoins a streaming run
+        # starts its push schedule at fragment 0 while the others wait for the merge of a later fragment, and with
+        # K = all neither side moves again (a known bug: docs/architecture.md, the failure table)
+        gaps = [b - a for a, b in zip(times, times[1:]) if down_from <= b <= back_at]
+        assert any(down_from + absent_after + 2.0 <= t <= back_at for t in times), \
+            f"{survivor} took no step once learner-1 was absent"
         assert max(gaps) <= absent_after + 2.0, f"{survivor} stalled {max(gaps):.1f} s while learner-1 was down"
     assert report["final_eval_loss"] < report["initial_eval_loss"]

@@ -1,9 +1,17 @@
 """Accounting and display helpers of `diloco run`'s report."""
 
+import pytest
 from rich.console import Console
 
-from diloco.run.accounting import fault_windows, goodput, healthy_rate, new_steps, tokens_per_life, uptime
+from diloco.run.accounting import advance_interval, fault_windows, goodput, healthy_rate, new_steps, tokens_per_life, uptime
 from diloco.run.display import human_bytes, progress_table
+
+
+def test_a_round_held_for_predicted_pushes_is_not_downtime():
+    # some fragment every H/P = 1 step, with 2x slack; held rounds may come up to grace_expect_steps later
+    assert advance_interval({"sync_every": 24, "fragments": 24}, 0.05) == pytest.approx(0.1)
+    assert advance_interval({"sync_every": 24, "fragments": 24, "grace_expect_steps": 24.0}, 0.05) == pytest.approx(1.3)
+    assert advance_interval({"sync_every": 24, "fragments": 1, "grace_expect_steps": 0.0}, 0.5) == pytest.approx(24.0)
 
 
 def test_uptime_is_the_share_of_windows_with_an_advance():

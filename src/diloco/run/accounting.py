@@ -53,8 +53,15 @@ def goodput(tokens_merged: float, rates: dict[str, float], wall: float) -> float
     return tokens_merged / capacity if capacity > 0 else 0.0
 
 
+def advance_interval(cfg: dict, step_seconds: float) -> float:
+    """Seconds within which a syncer's model is expected to advance: some fragment is due every H/P steps (twice
+    that, as slack), later by up to the grace_expect_steps step times a round is held open for predicted pushes."""
+    return (2 * cfg["sync_every"] / cfg["fragments"] + cfg.get("grace_expect_steps", 0.0)) * step_seconds
+
+
 def uptime(advances: list[float], start: float, end: float, interval: float) -> float:
-    """Share of [start, end) cut into windows of `interval` seconds in which the model advanced at least once."""
+    """Share of [start, end) cut into windows of `interval` seconds in which the model advanced at least once (the
+    report's: 2 steps for dp, `advance_interval` for a syncer)."""
     if end <= start or interval <= 0:
         return 0.0
     windows = max(1, int((end - start) // interval))

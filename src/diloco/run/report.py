@@ -84,7 +84,7 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         tokens_merged, rounds, wire = source["tokens_merged"], source["rounds"], source["wire_bytes"]
         advances = [source["started_unix"] + t for t, *_ in source.get("round_log", [])]
         fastest = min((s["busy_seconds_median"] for s in learners if s.get("busy_seconds_median")), default=step_median)
-        interval = 2 * cfg["sync_every"] / cfg["fragments"] * fastest
+        interval = accounting.advance_interval(cfg, fastest)
         model_dir, config = out / "syncer", cfg
 
     model = build_model(train.model, train.seed)
