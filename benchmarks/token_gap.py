@@ -45,10 +45,17 @@ def ratio_rows(results: dict, margin: float) -> list[dict]:
 
 
 def spread(xs: list[float], fmt: str) -> str:
-    if any(x == float("inf") for x in xs):
-        return "not reached in " + ", ".join("–" if x == float("inf") else format(x, fmt) for x in xs)
     mid = statistics.fmean(xs)
     return f"{mid:{fmt}} ({min(xs):{fmt}}–{max(xs):{fmt}})" if len(xs) > 1 else f"{mid:{fmt}}"
+
+
+def ratio_cell(ratios: list[float]) -> str:
+    """Tokens-to-T ratios over seeds; a seed whose run never reached T is counted, not averaged."""
+    reached = [x for x in ratios if x != float("inf")]
+    if len(reached) == len(ratios):
+        return spread(ratios, ".2f") + "×"
+    text = f"not reached in {len(ratios) - len(reached)} of {len(ratios)} seeds"
+    return text + ("; " + ", ".join(f"{x:.2f}×" for x in reached) if reached else "")
 
 
 def markdown(results: dict, margin: float) -> str:
@@ -56,7 +63,7 @@ def markdown(results: dict, margin: float) -> str:
     lines = [f"dp's final loss {spread(dp_final, '.4f')}; T = dp's final × {1 + margin:g}, per seed.", "",
              "| variant | flags | tokens to T ÷ dp's | final loss − dp's |", "|---|---|---|---|"]
     for r in ratio_rows(results, margin):
-        lines.append(f"| {r['variant']} | `{r['flags'] or '(defaults)'}` | {spread(r['tokens_ratio'], '.2f')}× | "
+        lines.append(f"| {r['variant']} | `{r['flags'] or '(defaults)'}` | {ratio_cell(r['tokens_ratio'])} | "
                      f"{spread(r['final_minus_dp'], '+.4f')} |")
     return "\n".join(lines)
 

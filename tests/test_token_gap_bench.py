@@ -1,0 +1,43 @@
+"""The pure parts of benchmarks/token_gap.py: tokens to dp's T per seed, and the table."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # token_gap imports its sibling wan.py
+_spec = importlib.util.spec_from_file_location("token_gap", Path(__file__).parents[1] / "benchmarks" / "token_gap.py")
+token_gap = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(token_gap)
+
+
+def run(final, points):
+    return {"final_loss": final, "curve": [{"seconds": 0, "tokens": t, "loss": loss} for t, loss in points]}
+
+
+RESULTS = {
+    "seeds": [0, 1],
+    "variants": {"default": "", "slow": "--quorum 4"},
+    "runs": {
+        "dp@0": run(2.0, [(0, 5.0), (100, 2.1), (200, 2.0)]),
+        "dp@1": run(2.0, [(0, 5.0), (100, 2.1), (200, 2.0)]),
+        "default@0": run(2.05, [(0, 5.0), (100, 2.3), (200, 2.1), (300, 2.05)]),  # T = 2.1 first at 200
+        "default@1": run(2.0, [(0, 5.0), (150, 2.1), (300, 2.0)]),
+        "slow@0": run(2.5, [(0, 5.0), (300, 2.5)]),  # never reaches T
+    },
+}
+
+
+def test_tokens_to_t_are_divided_by_dps_per_seed_and_missing_runs_are_skipped():
+    rows = {r["variant"]: r for r in token_gap.ratio_rows(RESULTS, margin=0.05)}
+    assert rows["default"]["tokens_ratio"] == pytest.approx([2.0, 1.5])  # dp reaches 2.1 at 100 tokens
+    assert rows["default"]["final_minus_dp"] == pytest.approx([0.05, 0.0])
+    assert rows["slow"]["tokens_ratio"] == [float("inf")] and len(rows["slow"]["final"]) == 1  # seed 1 not run
+
+
+def test_the_table_says_when_a_seed_never_reached_t():
+    table = token_gap.markdown(RESULTS, margin=0.05)
+    assert "| default | `(defaults)` | 1.75 (1.50–2.00)× |" in table
+    assert "| slow | `--quorum 4` | not reached in 1 of 1 seeds |" in table
+    assert token_gap.ratio_cell([1.2, float("inf"), 1.4]) == "not reached in 1 of 3 seeds; 1.20×, 1.40×"
