@@ -89,8 +89,8 @@ class SyncConfig:
     keep_overlap: bool = False
     """Ours (off is the paper's overwrite; decoupled mode: on, by measurement, docs/results.md). On apply, keep the
     local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding the steps between push and
-    apply (overwrite). Their steps and tokens then count toward the next push. Costs an fp32 copy of every
-    fragment in flight."""
+    apply (overwrite). Their steps and tokens then count toward the next push. Costs the learner what it needs to
+    read the values at each push back: the pushed bf16 Δ (CPU, int4) or an fp32 snapshot, per fragment in flight."""
     sync_buffers: bool = True
     """Average floating-point buffers (e.g. BatchNorm running statistics) across learners: each learner sends them
     with its push of fragment 0 (every H steps) and the syncer sets them to the token-weighted mean of what arrived.
@@ -144,9 +144,9 @@ def for_mode(mode: str, learners: int, preset: str | None = None, **overrides) -
     base = {
         # outer η = 1, μ = 0 measured best for K = 1. Rounds stay open for the peers predicted to push within one
         # cycle (H steps), and learners keep their progress meanwhile: equal-speed learners drift many steps apart,
-        # and rounds of one contributor cost most of the gap to dp's tokens (docs/results.md, "What costs tokens").
-        # Push alignment did not pay off. The synchronous modes keep DiLoCo's published 0.7 / 0.9, as the methods
-        # they reproduce
+        # and rounds of one contributor cost most of the gap to dp's tokens (docs/results.md, "What costs decoupled
+        # mode tokens"). Push alignment did not pay off. The synchronous modes keep DiLoCo's published 0.7 / 0.9,
+        # as the methods they reproduce
         "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4", outer_lr=1.0, outer_momentum=0.0,
                           keep_overlap=True, grace_expect_steps=float(overrides.get("sync_every") or SyncConfig.sync_every)),
         # the baselines average outer gradients, as the methods they reproduce (RDA is Decoupled DiLoCo's rule)

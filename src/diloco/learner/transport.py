@@ -146,11 +146,9 @@ class Receiver:
         answer to the push it waits for, and pushes are numbered from 1."""
         if pub.full:
             values = codec.decode(pub.payload)
-        elif self.in_place:  # a big fragment's change never needs a second copy of it. Nothing else reads these
-            values = self.held[pub.fragment]  # values until this answer is applied, nor awaits encoding then
-            codec.decode_add(pub.payload, values)
-        else:  # the learner's base stays as it was until the apply (kept progress is measured against it)
-            values = self.held[pub.fragment].clone()
+        else:  # in place, a big fragment's change never needs a second copy of it: nothing else reads these values
+            # until this answer is applied. With keep-overlap the learner's base must stay as it was until the apply
+            values = self.held[pub.fragment] if self.in_place else self.held[pub.fragment].clone()
             codec.decode_add(pub.payload, values)
         if tensor_checksum(values) != pub.result_checksum:
             return False
