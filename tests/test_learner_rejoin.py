@@ -1,6 +1,7 @@
 """A learner that vanishes without leaving is marked absent, stops no one, and rejoins under its id; learners
 hear how much of the run's budget is spent."""
 
+import threading
 import time
 
 import torch
@@ -98,5 +99,36 @@ def test_learners_hear_how_much_of_the_budget_is_spent():
         wait_for(lambda: (learner.budget_progress or 0.0) >= 0.15)
         assert 0.15 <= learner.budget_progress <= 0.25
         learner.finish()
+    finally:
+        syncer.stop()
+
+
+def test_a_learner_joining_a_streaming_run_late_pushes_in_phase_and_nobody_waits_forever():
+    # K = all and learners block on merges: a joiner that started its schedule at fragment 0 would wait for a merge
+    # its peer never pushes towards, while the peer's round waits for it
+    cfg = for_mode("streaming", 2, fragments=3, sync_every=6, heartbeat_seconds=0.1)
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None))
+    try:
+        ma, mb = net(), net()
+        a = Learner(ma, GrpcTransport(syncer.address), "a")
+        oa, ob = torch.optim.AdamW(ma.parameters(), 1e-2), torch.optim.AdamW(mb.parameters(), 1e-2)
+        steps(a, ma, oa, 9)  # alone: its last push was fragment 1 (offset 2) at step 8
+        b = Learner(mb, GrpcTransport(syncer.address), "b")
+        assert b.schedule_position == 2  # its first step is at position 3: it pushes what a pushes next
+        done = []
+
+        def train(learner, model, opt):
+            steps(learner, model, opt, 18)
+            done.append(learner.learner_id)
+
+        threads = [threading.Thread(target=train, args=args, daemon=True) for args in ((a, ma, oa), (b, mb, ob))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(done) == ["a", "b"], "a learner is stuck waiting for a merge"
+        wait_for(lambda: learner_state(syncer, "b").get("merged", 0) >= 6)  # b's pushes are merged with a's
+        a.finish()
+        b.finish()
     finally:
         syncer.stop()

@@ -534,6 +534,40 @@ def test_synchronous_rounds_go_on_without_a_learner_absent_past_the_timeout():
     assert {p.learner for p in core.poll()} == {"a", "b"}  # the survivors' round closed
 
 
+def test_a_learner_rejoining_a_synchronous_run_starts_in_phase_and_open_rounds_do_not_wait_for_it():
+    # streaming: P = 3 fragments over H = 6 steps (offsets 0, 2, 4), K = all, learners block on merges
+    core, clock = make_core(learners=3, quorum=3, wait_for_merge=True)
+    sessions = {lid: core.join(lid, SPECS) for lid in "abc"}
+    assert all(core.learners[lid].start_position is None for lid in "abc")  # nobody had pushed
+    clock.now += core.cfg.absent_after_seconds + 1  # c was killed; the survivors go on without it
+    for lid in "ab":
+        core.heartbeat(lid, sessions[lid], step=1)
+        assert push(core, lid, sessions[lid], 1, fragment=0).accepted
+    assert {p.learner for p in core.poll()} == {"a", "b"}
+    clock.now += 1
+    assert push(core, "a", sessions["a"], 2, fragment=1).accepted  # round of fragment 1 opens without c
+    clock.now += 0.5
+    sessions["c"] = core.join("c", SPECS)  # c restarts and rejoins while that round is open
+    # its schedule starts after the latest push of its peers (fragment 1, offset 2): it next pushes fragment 2
+    assert core.learners["c"].start_position == 3
+    assert core.poll() == []  # still waits for b, which was there when the round opened ...
+    assert push(core, "b", sessions["b"], 2, fragment=1).accepted
+    assert {p.learner for p in core.poll()} == {"a", "b"}  # ... but not for c, which will not push fragment 1 now
+    for lid in "ab":
+        assert push(core, lid, sessions[lid], 3, fragment=2).accepted
+    assert core.poll() == []  # the next fragment's round waits for c too ...
+    assert push(core, "c", sessions["c"], 1, fragment=2).accepted
+    assert {p.learner for p in core.poll()} == {"a", "b", "c"}  # ... and closes with all three
+
+
+def test_a_learner_joining_a_decoupled_run_keeps_its_own_schedule():
+    core, _ = make_core(learners=2)
+    s = core.join("a", SPECS)
+    assert push(core, "a", s, 1, fragment=1).accepted
+    core.join("b", SPECS)
+    assert core.learners["b"].start_position is None  # the paper's learners are independent
+
+
 @pytest.mark.parametrize("down", ["fp32", "int8"])
 def test_a_join_reads_lent_values_which_later_rounds_leave_alone(down):
     core, _ = make_core(learners=1, grace=0.0, down_codec=down)

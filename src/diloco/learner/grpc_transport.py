@@ -299,7 +299,12 @@ class GrpcTransport(HeartbeatNews):
         if header is None or len(fragments) != header.fragments:
             raise SyncerError(f"incomplete join reply from {self.address}: got {len(fragments)} fragments")
         fragments.sort(key=lambda f: f[0])
-        return JoinInfo(SyncConfig.from_json(header.config_json), header.session, fragments, header.data_position)
+        config = SyncConfig.from_json(header.config_json)
+        start = header.start_position if header.HasField("start_position") else None
+        if start is not None and not 1 <= start <= config.sync_every:
+            raise SyncerError(f"the syncer at {self.address} sent push-schedule position {start}, outside 1..H = "
+                              f"1..{config.sync_every}: it is faulty or not a diloco syncer of this version")
+        return JoinInfo(config, header.session, fragments, header.data_position, start)
 
     def _metered(self, messages, progress: Progress, payload_bytes):
         """Yields `messages` as gRPC takes them to send: bytes and progress count then, not when they are built."""

@@ -148,6 +148,8 @@ class Learner:
             if self.device.type == "cuda" and getattr(self.transport, "receiver", None) is not None:
                 self.transport.receiver.pin_memory = True
             info = self._lead(self.transport.join, self.learner_id, self.specs, self._initial_fragments(whole or state))
+        if info is not None and info.start_position is not None:
+            self._shift = info.start_position - 1 - self.step_count  # the next step is at that position
         config_json, position = (info.config.to_json(), info.data_position) if info else (None, 0)
         if self.island:
             config_json, position, self._error = self.island.share((config_json, position, self._error))

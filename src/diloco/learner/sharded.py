@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from diloco.fragments import TensorSpec
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.transport import Arrival, JoinInfo, PushJob, Receiver, SyncerError
+from diloco.schedule import leading_position
 
 
 class ShardedTransport:
@@ -60,7 +61,8 @@ class ShardedTransport:
         self.receiver.reset(fragments, in_place=not first.config.keep_overlap)
         # each shard records where this learner's merged work on its fragments ended: resume at the earliest, so
         # no data is skipped (a little is read again)
-        return JoinInfo(first.config, first.session, fragments, min(info.data_position for info in infos))
+        return JoinInfo(first.config, first.session, fragments, min(info.data_position for info in infos),
+                        leading_position([info.start_position for info in infos], first.config.sync_every))
 
     def push(self, job: PushJob) -> None:
         self._of(job.fragment).push(job)

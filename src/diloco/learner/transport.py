@@ -30,6 +30,8 @@ class JoinInfo:
     """(fragment, version, full fp32 values) of every current fragment."""
     data_position: int = 0
     """Where this learner's data shard resumes (from the syncer's ledger)."""
+    start_position: int | None = None
+    """Synchronous modes: the push-schedule position of the first step, in phase with the live peers (None: 1)."""
 
 
 @dataclass(eq=False)
@@ -209,7 +211,8 @@ class LocalTransport(HeartbeatNews):
             receiver = self.local.receivers.setdefault(learner_id, Receiver())
             fragments = core.snapshot_for_join(learner_id)  # copies already
             receiver.reset(fragments, in_place=not core.cfg.keep_overlap)
-            return JoinInfo(core.cfg, self.session, fragments, core.learners[learner_id].data_position)
+            record = core.learners[learner_id]
+            return JoinInfo(core.cfg, self.session, fragments, record.data_position, record.start_position)
 
     @property
     def receiver(self) -> Receiver:

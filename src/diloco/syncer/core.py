@@ -31,6 +31,7 @@ from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
 from diloco.merge import StreamingMerge, segment_norms, token_weight
 from diloco.policy import Averages, MovingAverage, RoundState, decide
+from diloco.schedule import offset
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import downlink, persistence, phase, rounds
 from diloco.syncer.buffers import Buffers
@@ -215,9 +216,30 @@ class SyncerCore:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
             record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
+            record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None
             self.record_event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
         return session
+
+    def _start_position(self, learner_id: str) -> int | None:
+        """Where a joiner's push schedule starts in a synchronous mode (1..H): just after the fragment its live
+        peers pushed last, so it pushes next what they push next. Rounds already open when it joins do not wait for
+        it (`awaited`); every later round waits for a fragment it will push. Started at fragment 0 instead, it
+        would wait for a merge its peers never push towards, while they wait for it. None: no live peer has pushed
+        in its current session (the schedule starts at its beginning)."""
+        latest = max((r.last_push for i in self.live() - {learner_id}
+                      if (r := self.learners[i]).last_push is not None and r.last_push[0] >= r.joined_at), default=None)
+        if latest is None:
+            return None
+        return offset(latest[1], self.cfg.sync_every, self.cfg.fragments) % self.cfg.sync_every + 1
+
+    def awaited(self, fs: FragmentState, live: frozenset[str]) -> frozenset[str]:
+        """The live learners a round of `fs` waits for. In a synchronous mode, not those that joined after its first
+        push arrived: they start their schedules after that fragment (`_start_position`) and will not push it
+        until its next turn, while their peers block on its merge."""
+        if not self.cfg.wait_for_merge or fs.opened_at is None:
+            return live
+        return frozenset(i for i in live if self.learners[i].joined_at <= fs.opened_at or i in fs.pending)
 
     def snapshot_for_join(self, learner_id: str, copy: bool = True) -> list[tuple[int, int, torch.Tensor]]:
         """(fragment, version, full values P_v) for a joiner, recorded as what it holds. `copy=False` lends the
@@ -353,8 +375,9 @@ class SyncerCore:
             pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
             if pending is not None and (pending.session, pending.seq) == (session, seq):
                 return PushResult(True, "duplicate push ignored", duplicate=True)
+            arrived = self.clock()
             if 0 <= fragment < len(self.fragments) and self.fragments[fragment].fragment.role == "params":
-                record.last_push = (self.clock(), fragment)  # its phase in the push schedule, for predicting the next
+                record.last_push = (arrived, fragment)  # its phase in the push schedule, for predicting the next
         try:
             delta = self._validate(fragment, steps, tokens, payload)  # decodes: no lock
         except Refused as e:
@@ -396,7 +419,7 @@ class SyncerCore:
             # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
             # to take it out again; docs/architecture.md, Syncer memory)
             self._outbox.extend(rounds.close(self, fragment, fs, {"reason": "repeat"}))
-        c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, self.clock())
+        c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, arrived)
         if fs.merging is None:
             fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers)
         # the version cannot change while the round is open, so the weight is the one the round closes with
@@ -407,7 +430,7 @@ class SyncerCore:
         with self.lock:
             fs.pending[learner_id] = c
             if fs.opened_at is None:
-                fs.opened_at = self.clock()
+                fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
         return PushResult(True)
 
     def _validate(self, fragment: int, steps: int, tokens: int, payload: codec.Encoded) -> torch.Tensor:
@@ -478,7 +501,7 @@ class SyncerCore:
                 if d.close or force:
                     # what the policy decided on: the tape can replay it (syncer/replay.py)
                     inputs = {"reason": d.reason if d.close else "forced", "now": t(now), "opened_at": t(fs.opened_at),
-                              "quorum_at": t(quorum_before), "live": sorted(live), "averages": vars(avg),
+                              "quorum_at": t(quorum_before), "live": sorted(self.awaited(fs, live)), "averages": vars(avg),
                               "expected": {k: t(v) for k, v in expected.items()}, "at_quorum": fs.at_quorum}
                     closing.append((index, fs, inputs))
         for index, fs, inputs in closing:
@@ -504,6 +527,7 @@ class SyncerCore:
 
     def _decide(self, index: int, fs: FragmentState, live: frozenset[str], avg: Averages, now: float):
         """The policy's decision for a fragment's open round, and the predicted pushes it was given."""
+        live = self.awaited(fs, live)
         state = RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at)
         policy, expected = self.policy, {}
         if policy.expect_steps:

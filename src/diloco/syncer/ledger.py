@@ -36,6 +36,8 @@ class LearnerRecord:
     """Versions its latest accepted contribution was behind the fragment it was merged into."""
     last_push: tuple[float, int] | None = None
     """(clock time, fragment) of its latest push: its phase in the push schedule."""
+    start_position: int | None = None
+    """Where its push schedule starts in a synchronous mode, set at join (SyncerCore._start_position)."""
     versions: dict[int, int] = field(default_factory=dict)
     """Per fragment, the version v of the published values P_v this learner holds: downlink changes start there.
     Not saved: after a restart every learner gets full values once (it may have missed what was being sent)."""

@@ -36,7 +36,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         contributions = list(fs.pending.values())
         opened_at, quorum_at = fs.opened_at, fs.quorum_at
         counted = [counted_as(c.tokens, c.steps, core.cfg) for c in contributions]
-        share = (round_share(core, contributions, [t for t, _ in counted])
+        share = (round_share(core, fs, contributions, [t for t, _ in counted])
                  if core.cfg.scale_partial_rounds and params else 1.0)
     merging, fs.merging = fs.merging, None
     # ---- the arithmetic, without the lock
@@ -114,12 +114,12 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     return out
 
 
-def round_share(core, contributions: list, counted: list[float]) -> float:
+def round_share(core, fs, contributions: list, counted: list[float]) -> float:
     """Tokens in this round over those plus what each live learner missing from it typically brings."""
     tokens = sum(counted)
     if tokens <= 0:
         return 1.0
     present = {c.learner for c in contributions}
     fallback = tokens / len(contributions)
-    missing = sum(core.learners[i].contribution_tokens.value or fallback for i in core.live() - present)
+    missing = sum(core.learners[i].contribution_tokens.value or fallback for i in core.awaited(fs, core.live()) - present)
     return tokens / (tokens + missing)

@@ -63,7 +63,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., token: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
-    __slots__ = ("session", "config_json", "fragments", "data_position", "need_init", "total_bytes", "init_wait", "init_owner")
+    __slots__ = ("session", "config_json", "fragments", "data_position", "need_init", "total_bytes", "init_wait", "init_owner", "start_position")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class JoinHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     INIT_WAIT_FIELD_NUMBER: _ClassVar[int]
     INIT_OWNER_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
     session: str
     config_json: str
     fragments: int
@@ -80,7 +81,8 @@ class JoinHeader(_message.Message):
     total_bytes: int
     init_wait: bool
     init_owner: str
-    def __init__(self, session: _Optional[str] = ..., config_json: _Optional[str] = ..., fragments: _Optional[int] = ..., data_position: _Optional[int] = ..., need_init: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., init_wait: _Optional[bool] = ..., init_owner: _Optional[str] = ...) -> None: ...
+    start_position: int
+    def __init__(self, session: _Optional[str] = ..., config_json: _Optional[str] = ..., fragments: _Optional[int] = ..., data_position: _Optional[int] = ..., need_init: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., init_wait: _Optional[bool] = ..., init_owner: _Optional[str] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("header", "blob")
