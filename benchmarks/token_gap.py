@@ -7,7 +7,9 @@
 dp runs once per seed on loopback with the budget; T is its final held-out loss × (1 + --margin). Every variant is a
 `diloco run` of --mode (decoupled) with the same model, data, seed and budget plus the variant's flags; the table
 reports tokens to T ÷ dp's tokens to T (the figure that divides every speed-up over slow links: benchmarks/wan.py),
-and the final loss against dp's, each as the mean over seeds with its range. Links play no part: tokens to T do not
+the final loss against dp's, and dp's wire bytes to T over the variant's (the syncer's count at each eval snapshot,
+interpolated like tokens; dp's ring all-reduce bytes pro rata, in fp32 and, halved, in bf16), each as the mean over
+seeds with its range. Links play no part: tokens to T do not
 depend on them. The sweep is written to --json after every run and resumes from it.
 """
 
@@ -28,7 +30,7 @@ def ratio_rows(results: dict, margin: float) -> list[dict]:
     """Per variant: tokens to T over dp's (per seed) and final loss minus dp's, where T = dp's final × (1 + margin)."""
     rows = []
     for name in results["variants"]:
-        ratios, deltas, finals = [], [], []
+        ratios, deltas, finals, byte_ratios = [], [], [], []
         for seed in results["seeds"]:
             dp, run = results["runs"].get(f"dp@{seed}"), results["runs"].get(f"{name}@{seed}")
             if not dp or not run:
@@ -38,10 +40,18 @@ def ratio_rows(results: dict, margin: float) -> list[dict]:
             ratios.append(reach["tokens"] / dp_reach["tokens"] if reach and dp_reach else float("inf"))
             deltas.append(run["final_loss"] - dp["final_loss"])
             finals.append(run["final_loss"])
+            if reach and dp_reach and reach.get("wire_bytes"):
+                byte_ratios.append(dp_bytes_to(dp, dp_reach["tokens"]) / reach["wire_bytes"])
         if ratios:
             rows.append({"variant": name, "flags": results["variants"][name], "tokens_ratio": ratios,
-                         "final_minus_dp": deltas, "final": finals})
+                         "final_minus_dp": deltas, "final": finals,
+                         "fp32_dp_bytes_ratio": byte_ratios if len(byte_ratios) == len(ratios) else None})
     return rows
+
+
+def dp_bytes_to(dp: dict, tokens: float) -> float:
+    """fp32 data-parallel's wire bytes to `tokens`: its ring all-reduce bytes (the same every step) pro rata."""
+    return dp["wire_bytes"] * tokens / dp["tokens_trained"]
 
 
 def spread(xs: list[float], fmt: str) -> str:
@@ -61,10 +71,13 @@ def ratio_cell(ratios: list[float]) -> str:
 def markdown(results: dict, margin: float) -> str:
     dp_final = [results["runs"][f"dp@{s}"]["final_loss"] for s in results["seeds"] if f"dp@{s}" in results["runs"]]
     lines = [f"dp's final loss {spread(dp_final, '.4f')}; T = dp's final × {1 + margin:g}, per seed.", "",
-             "| variant | flags | tokens to T ÷ dp's | final loss − dp's |", "|---|---|---|---|"]
+             "| variant | flags | tokens to T ÷ dp's | final loss − dp's | wire bytes to T: bf16 dp's ÷ the variant's "
+             "(fp32 dp's) |", "|---|---|---|---|---|"]
     for r in ratio_rows(results, margin):
+        fp32 = r["fp32_dp_bytes_ratio"]
         lines.append(f"| {r['variant']} | `{r['flags'] or '(defaults)'}` | {ratio_cell(r['tokens_ratio'])} | "
-                     f"{spread(r['final_minus_dp'], '+.4f')} |")
+                     f"{spread(r['final_minus_dp'], '+.4f')} | "
+                     f"{spread([x / 2 for x in fp32], '.0f') + '× (' + spread(fp32, '.0f') + '×)' if fp32 else '–'} |")
     return "\n".join(lines)
 
 

@@ -53,15 +53,18 @@ COLUMNS = ("link", "mode", "budget", "s/step", "S", "time to T", "speed-up", "sp
 # ---- pure parts: eval curves, step times, the comparison ----
 
 def first_reach(curve: list[dict], target: float) -> dict | None:
-    """Seconds and tokens at which the loss first reaches `target` (≤), interpolated linearly between the two eval
-    points around the crossing; None when it never does. Points: {"seconds", "tokens", "loss"}."""
+    """Seconds and tokens (and wire bytes, where both points have them) at which the loss first reaches `target`
+    (≤), interpolated linearly between the two eval points around the crossing; None when it never does. Points:
+    {"seconds", "tokens", "loss"} and perhaps "wire_bytes" (the syncer's count at that snapshot)."""
     for i, p in enumerate(curve):
         if p["loss"] <= target:
+            keys = [k for k in ("seconds", "tokens", "wire_bytes") if p.get(k) is not None
+                    and (i == 0 or curve[i - 1].get(k) is not None)]
             if i == 0 or p["loss"] == target:
-                return {"seconds": p["seconds"], "tokens": p["tokens"]}
+                return {k: p[k] for k in keys}
             q = curve[i - 1]
             f = (q["loss"] - target) / (q["loss"] - p["loss"])
-            return {k: q[k] + f * (p[k] - q[k]) for k in ("seconds", "tokens")}
+            return {k: q[k] + f * (p[k] - q[k]) for k in keys}
     return None
 
 
@@ -123,13 +126,14 @@ def summarise(out: Path, report: dict) -> dict:
     origin = json.loads((out / ("dp/dp.json" if report["mode"] == "dp" else "syncer/syncer.json")).read_text())
     shift = origin["started_unix"] - start  # the curve's seconds count from the syncer's (dp: job's) start
     curve = [{"seconds": max(0.0, p["seconds"] + shift) if i else 0.0, "tokens": p["tokens_trained"],
-              "loss": p["eval_loss"]} for i, p in enumerate(report["eval_curve"])]
+              "loss": p["eval_loss"], "wire_bytes": p.get("wire_bytes")} for i, p in enumerate(report["eval_curve"])]
     train = report["train"]
     link = report.get("link_bytes_total")
     return {"mode": report["mode"], "learners": report["learners"], "curve": curve,
             "final_loss": report["final_eval_loss"], "tokens_trained": report["tokens_trained"],
             "step_seconds": step_seconds(metrics), "utilisation": utilisation(metrics, report["learners"]),
-            "wire_bytes": report["wire_bytes"], "window_seconds": end - start,
+            "wire_bytes": report["wire_bytes"], "wire_parts": report.get("wire_parts", {}),
+            "window_seconds": end - start,
             "link_bytes": None if link is None else link / 2 if report["mode"] == "dp" else link,
             "tokens_per_step": train["batch_size"] * train["model"]["seq_len"] * report["learners"],
             "steps": max((x["step"] for ls in metrics.values() for x in ls), default=0), "out": str(out)}

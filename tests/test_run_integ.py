@@ -32,6 +32,13 @@ def test_syncer_and_three_learners_one_slow_every_fragment_advances(tmp_path):
         assert learner["pushes"] - learner["flushed"] + learner["skipped"] == learner["schedule_position"] // 2
     assert report["final_eval_loss"] < report["initial_eval_loss"]
     assert report["rounds"] == sum(syncer["versions"]) and report["wire_bytes"] > 0
+    parts = report["wire_parts"]  # every byte the syncer counted, by call and part
+    assert sum(n for by_part in parts.values() for n in by_part.values()) == report["wire_bytes"]
+    assert set(parts["push"]) == {"payload:int4", "framing"} and set(parts["heartbeat"]) == {"framing"}
+    assert parts["downlink"]["payload:int8"] > parts["downlink"]["framing"] > 0
+    assert parts["join"]["payload:fp32"] >= 3 * 4 * report["model_parameters"]  # each learner got the model
+    bytes_seen = [p["wire_bytes"] for p in report["eval_curve"][1:]]  # at each snapshot: bytes to each quality
+    assert bytes_seen == sorted(bytes_seen) and 0 < bytes_seen[-1] <= report["wire_bytes"]
     for name in ("report.json", "eval_loss.png", "model.safetensors", "sample.txt", "metrics/learner-2.jsonl"):
         assert (out / name).exists(), name
     assert len(report["eval_curve"]) >= 3

@@ -36,6 +36,17 @@ def test_tokens_to_t_are_divided_by_dps_per_seed_and_missing_runs_are_skipped():
     assert rows["slow"]["tokens_ratio"] == [float("inf")] and len(rows["slow"]["final"]) == 1  # seed 1 not run
 
 
+def test_wire_bytes_to_t_are_set_against_dps_ring_all_reduce_bytes_pro_rata():
+    dp = {**run(2.0, [(0, 5.0), (100, 2.1), (200, 2.0)]), "wire_bytes": 8000, "tokens_trained": 200}
+    variant = {"final_loss": 2.0, "curve": [{"seconds": 0, "tokens": 0, "loss": 5.0, "wire_bytes": None},
+                                            {"seconds": 1, "tokens": 100, "loss": 2.3, "wire_bytes": 10},
+                                            {"seconds": 2, "tokens": 200, "loss": 2.1, "wire_bytes": 30}]}
+    results = {"seeds": [0], "variants": {"v": ""}, "runs": {"dp@0": dp, "v@0": variant}}
+    (row,) = token_gap.ratio_rows(results, margin=0.05)
+    assert row["fp32_dp_bytes_ratio"] == pytest.approx([4000 / 30])  # dp: 100 of its 200 tokens, half its bytes
+    assert "| v | `(defaults)` | 2.00× | +0.0000 | 67× (133×) |" in token_gap.markdown(results, margin=0.05)
+
+
 def test_the_table_says_when_a_seed_never_reached_t():
     table = token_gap.markdown(RESULTS, margin=0.05)
     assert "| default | `(defaults)` | 1.75 (1.50–2.00)× |" in table

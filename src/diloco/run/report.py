@@ -95,8 +95,11 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
     for path in sorted((model_dir / "snapshots").glob("*.safetensors")):
         meta = load_params(model, path)
         loss = known[path.name] if path.name in known else evaluate(model, batches)
-        curve.append({"seconds": float(meta.get("seconds", 0)), "tokens_trained": int(float(meta.get("tokens_trained", 0))),
-                      "tokens_merged": float(meta.get("tokens_merged", 0)), "eval_loss": loss})
+        point = {"seconds": float(meta.get("seconds", 0)), "tokens_trained": int(float(meta.get("tokens_trained", 0))),
+                 "tokens_merged": float(meta.get("tokens_merged", 0)), "eval_loss": loss}
+        if "wire_bytes" in meta:  # the syncer's count when the snapshot was taken: bytes to a given quality
+            point["wire_bytes"] = int(float(meta["wire_bytes"]))
+        curve.append(point)
     final_path = model_dir / "model.safetensors"
     load_params(model, final_path)
     final_loss = evaluate(model, batches)
@@ -115,6 +118,7 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "final_eval_loss": final_loss,
         "eval_loss_reduction": 1 - final_loss / curve[0]["eval_loss"],
         "wire_bytes": int(wire),
+        "wire_parts": source.get("wire_parts", {}),
         "rounds": rounds,
         "goodput": accounting.goodput(tokens_merged, rates, wall),
         "goodput_basis": (f"merged tokens / (Σ allocated tokens/s × wall-clock); allocated = tokens per step × "

@@ -24,6 +24,9 @@ class SyncerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.wire_bytes = Counter("diloco_wire_bytes", "gRPC message bytes to and from learners", ["direction"], registry=r)
+        self.wire_parts = Counter(
+            "diloco_wire_part_bytes", "gRPC message bytes by call and part: encoded values (payload:<codec>) or "
+            "framing (headers, fields, length prefixes)", ["rpc", "part"], registry=r)
         self.pushes = Counter("diloco_pushes", "outer-gradient pushes admitted", registry=r)
         self.refusals = Counter("diloco_refusals", "pushes or requests refused, by reason", ["reason"], registry=r)
         self.rounds = Gauge("diloco_rounds", "rounds closed (merges applied)", registry=r)
@@ -91,6 +94,21 @@ class SyncerMetrics:
     def wire_by_direction(self) -> dict[str, int]:
         """Bytes sent to and received from learners (the syncer's view), for /status."""
         return {f"wire_bytes_{d}": int(self.wire_bytes.labels(d)._value.get()) for d in ("sent", "received")}
+
+    def count_parts(self, rpc: str, codec: str | None, payload: int, size: int) -> None:
+        """One message of `size` bytes, `payload` of them encoded values in `codec` (a validated name)."""
+        if payload:
+            self.wire_parts.labels(rpc, f"payload:{codec}").inc(payload)
+        self.wire_parts.labels(rpc, "framing").inc(size - payload)
+
+    def wire_by_part(self) -> dict[str, dict[str, int]]:
+        """Bytes by call, then by part (see `wire_parts`), for /status and the run's report."""
+        out: dict[str, dict[str, int]] = {}
+        for metric in self.wire_parts.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    out.setdefault(sample.labels["rpc"], {})[sample.labels["part"]] = int(sample.value)
+        return out
 
     def total_wire_bytes(self) -> int:
         return int(sum(self.wire_bytes.labels(d)._value.get() for d in ("sent", "received")))

@@ -290,7 +290,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     try:
         while not stop.is_set():
             status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
-                          **ready,
+                          wire_parts=metrics.wire_by_part(), **ready,
                           **health(core))
             metrics.observe_status(status)
             if on_status:
@@ -318,7 +318,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         if http:
             http.shutdown()
         status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
-                      **ready)
+                      wire_parts=metrics.wire_by_part(), **ready)
         status["round_log"] = list(core.round_log)
         if opts.out and core.initialized:
             await service._core(core.persist, [])  # a failure is logged and recorded in state_error

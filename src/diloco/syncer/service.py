@@ -34,7 +34,7 @@ from diloco.wire import diloco_pb2 as pb
 from diloco.wire import bounds
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import shown
-from diloco.wire.messages import Assembler, blobs, specs_from_proto, wire_size
+from diloco.wire.messages import Assembler, blobs, payload_part, specs_from_proto, wire_size
 
 log = logging.getLogger("diloco.syncer")
 IDLE = object()
@@ -135,12 +135,20 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._pool.shutdown(wait=True)
         self._ledger_pool.shutdown(wait=True)
 
-    def _count_in(self, message) -> None:
-        self.metrics.wire_bytes.labels("received").inc(wire_size(message))
+    def _count_in(self, message, codec_name: str | None = None) -> None:
+        self._count(message, "received", codec_name)
 
     def _count_out(self, message):
-        self.metrics.wire_bytes.labels("sent").inc(wire_size(message))
+        self._count(message, "sent")
         return message
+
+    def _count(self, message, direction: str, codec_name: str | None = None) -> None:
+        size = wire_size(message)
+        self.metrics.wire_bytes.labels(direction).inc(size)
+        rpc, carried, payload = payload_part(message)
+        if payload and (carried or codec_name) not in codec.CODECS:
+            carried, payload = None, 0  # an unknown codec name is not a label: those bytes count as framing
+        self.metrics.count_parts(rpc, carried or codec_name, payload, size)
 
     async def _bad_input(self, context, rpc: str, e: BaseException) -> None:
         self.metrics.refused("bad input")
@@ -271,7 +279,8 @@ class SyncerService(pb_grpc.SyncerServicer):
         log.info("learner %s joined", request.learner_id)
         total = sum(codec.encoded_size(values.numel(), "fp32") for _, _, values in snapshot)
         header = pb.JoinHeader(session=session, config_json=self.core.cfg.to_json(), fragments=len(snapshot),
-                               data_position=record.data_position, total_bytes=total)
+                               data_position=record.data_position, total_bytes=total,
+                               start_position=record.start_position)
         yield self._count_out(pb.JoinReply(header=header))
         while snapshot:  # each fragment is let go once sent: a join holds at most the values rounds replaced meanwhile
             index, version, values = snapshot.pop(0)
@@ -435,7 +444,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         async for chunk in chunks:
             if chunk is IDLE:  # the learner retries with the same sequence number
                 await self._idle(context, "push", self.stall_timeout)
-            self._count_in(chunk)
+            self._count_in(chunk, header.codec if header is not None else None)
             if chunk.HasField("header"):
                 if header is not None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push carries one header, first")

@@ -24,6 +24,29 @@ GRPC_OPTIONS = [
 SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
 
 
+RPC_OF = {"JoinRequest": "join", "JoinReply": "join", "InitChunk": "init", "InitReply": "init",
+          "PushChunk": "push", "PushReply": "push", "SubscribeRequest": "downlink", "Blob": "downlink",
+          "HeartbeatRequest": "heartbeat", "HeartbeatReply": "heartbeat", "LeaveRequest": "leave",
+          "LeaveReply": "leave"}
+"""The call each message belongs to, for counting wire bytes by call."""
+
+
+def payload_part(message) -> tuple[str, str | None, int]:
+    """(call, codec, bytes of encoded values) a message carries; everything else in it is framing. The codec of
+    a push's data chunk is in its stream's header (None here)."""
+    blob = None
+    if isinstance(message, pb.Blob):
+        blob = message
+    elif isinstance(message, (pb.JoinReply, pb.InitChunk)) and message.HasField("blob"):
+        blob = message.blob
+    rpc = RPC_OF.get(type(message).__name__, "other")
+    if blob is not None:
+        return rpc, blob.codec, len(blob.data)
+    if isinstance(message, pb.PushChunk) and message.HasField("data"):
+        return rpc, None, len(message.data)
+    return rpc, None, 0
+
+
 def wire_size(message) -> int:
     """Bytes a message occupies on a gRPC stream: serialized size plus the 5-byte length prefix."""
     return message.ByteSize() + 5
