@@ -155,7 +155,23 @@ def run_once(mode: str, rate: str, budget: list[str], args, extra: list[str], ou
     proc = subprocess.run(cmd + extra, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd[3:] + extra)}): {proc.stderr[-1500:]}")
-    return summarise(folder, json.loads(proc.stdout))
+    return {**summarise(folder, json.loads(proc.stdout)), "projected": projected(folder, rate)}
+
+
+def projected(folder: Path, rate: str) -> dict | None:
+    """What `diloco simulate bandwidth --from-run FOLDER --gbps RATE` predicts for the run on its own link: the
+    bandwidth model calibrated on the run's wire bytes per step and its median compute step (unshaped: no limit)."""
+    from diloco.run.links import parse_link
+    from diloco.sim.bandwidth import step_time
+    from diloco.sim.from_run import ReportError, load_run, project
+
+    bps = parse_link(rate)
+    try:
+        p = project(load_run(folder), gbps=(bps or 1e15) / 1e9)
+    except (ReportError, ValueError):
+        return None
+    return {"utilisation": p.utilisation, "overhead": p.overhead, "compute_seconds": p.workload.step_seconds,
+            "step_seconds": step_time(p.method, p.workload, p.gbps)}
 
 
 # ---- the comparison ----
@@ -257,6 +273,22 @@ def notes(results: dict, rows: list[dict]) -> list[str]:
                                      if any(r["scaled"] for r in rows) else "")]
 
 
+def projection_markdown(results: dict) -> str:
+    """Measured utilisation (and dp's seconds per step) on each link beside what the bandwidth model predicts from
+    each run's own report (`projected`)."""
+    lines = ["| link | mode | compute s/step | s/step measured | s/step predicted | utilisation measured | "
+             "utilisation predicted | measured ÷ modelled bytes |", "|---|---|---|---|---|---|---|---|"]
+    for key, r in results["runs"].items():
+        mode, rate, _ = key.split("@")
+        p = r.get("projected")
+        if p is None:
+            continue
+        lines.append(f"| {'unshaped' if rate == 'none' else rate} | {mode} | {p['compute_seconds']:.3f} | "
+                     f"{r['step_seconds']:.3f} | {p['step_seconds']:.3f} | {r['utilisation']:.2f} | "
+                     f"{p['utilisation']:.2f} | {p['overhead']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: dict) -> str:
     rows = analyse(results)
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -338,6 +370,8 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the sweep here after every run; an existing one is resumed")
     p.add_argument("--markdown", type=Path, metavar="JSON", help="only print the tables of a finished sweep")
     p.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"), help="only plot a finished sweep")
+    p.add_argument("--projection", type=Path, metavar="JSON",
+                   help="only print measured utilisation beside the bandwidth model's prediction for each run")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to every `diloco run` (after --)")
     args = p.parse_args()
     if args.markdown:
@@ -345,6 +379,9 @@ def main() -> int:
         return 0
     if args.plot:
         plot(json.loads(args.plot[0].read_text()), args.plot[1])
+        return 0
+    if args.projection:
+        print(projection_markdown(json.loads(args.projection.read_text())), end="")
         return 0
     if args.tokens and args.duration:
         p.error("give --tokens or --duration, not both")
@@ -403,6 +440,7 @@ def main() -> int:
                 if first_reach(ensure(mode, rate, budget)["curve"], t):
                     break
     print_table(results)
+    print(projection_markdown(results), end="")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The pure parts of benchmarks/wan.py: crossing T on an eval curve, S, speed-ups, dp's computed time, the tables."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,21 @@ def test_markdown_of_a_small_sweep():
     assert "| 20mbit | decoupled | 4,096 | 0.120 | 5.0× | not reached | – | – | – |" in text
     assert "20.0*" in text and "10.0*" in text  # dp's probe bytes scaled to the full budget, marked
     assert "T = dp's final unshaped loss × 1.05 = 2.1000" in text
+
+
+def test_the_bandwidth_models_prediction_for_a_run_on_its_own_link(tmp_path):
+    # what `diloco simulate bandwidth --from-run` reads: 10M parameters, P = H = 4, int4, 10 Mbit per learner-step
+    report = {"mode": "decoupled", "learners": 4, "wall_seconds": 120.0, "tokens_trained": 4_000_000,
+              "wire_bytes": 2_000_000_000, "model_parameters": 10_000_000, "step_seconds_median": 0.25,
+              "config": {"fragments": 4, "sync_every": 4, "overlap": 2, "codec": "int4"},
+              "per_learner": [{"id": f"l{i}", "steps": 400, "tokens": 1_000_000} for i in range(4)]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    slow = wan.projected(tmp_path, "5mbit")  # 10 Mbit a step over 5 Mbit/s: 2 s a step against 0.25 s of compute
+    assert slow["step_seconds"] == pytest.approx(2.0) and slow["utilisation"] == pytest.approx(0.125)
+    assert slow["overhead"] == pytest.approx(10e6 / (2.5e6 * 4.125))  # measured ÷ modelled bits per step
+    assert wan.projected(tmp_path, "none")["utilisation"] == pytest.approx(1.0)
+    assert wan.projected(tmp_path / "missing", "5mbit") is None
+    run = {"step_seconds": 2.1, "utilisation": 0.11, "projected": slow}
+    table = wan.projection_markdown({"runs": {"decoupled@5mbit@1600000": run, "dp@none@1600000": {"x": 1}}})
+    assert "| 5mbit | decoupled | 0.250 | 2.100 | 2.000 | 0.11 | 0.12 | 0.97 |" in table
+    assert "dp" not in table.split("\n", 2)[2]  # runs without a prediction are left out
