@@ -25,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan import first_reach, run_once  # noqa: E402  (a sibling script)
 
+from diloco.codec import BLOCK  # noqa: E402
+
 
 def ratio_rows(results: dict, margin: float) -> list[dict]:
     """Per variant: tokens to T over dp's (per seed) and final loss minus dp's, where T = dp's final × (1 + margin)."""
@@ -81,6 +83,31 @@ def markdown(results: dict, margin: float) -> str:
     return "\n".join(lines)
 
 
+def parts_markdown(results: dict) -> str:
+    """Where each run's wire bytes went (the syncer's count by call and part), seed by seed."""
+    lines = ["| run | wire MB | pushes | downlink | joins and the initial upload | heartbeats | framing (all calls) | "
+             "block scales (int codecs) |", "|---|---|---|---|---|---|---|---|"]
+    for key, run in results["runs"].items():
+        parts = run.get("wire_parts")
+        if not parts:
+            continue
+        total = run["wire_bytes"]
+        by_rpc = {rpc: sum(p.values()) for rpc, p in parts.items()}
+        framing = sum(p.get("framing", 0) for p in parts.values())
+        scales = sum(n * SCALE_SHARE.get(part.removeprefix("payload:"), 0.0)
+                     for p in parts.values() for part, n in p.items())
+        share = lambda n: f"{100 * n / total:.1f}%"  # noqa: E731
+        lines.append(f"| {key} | {total / 1e6:.2f} | {share(by_rpc.get('push', 0))} | {share(by_rpc.get('downlink', 0))} "
+                     f"| {share(by_rpc.get('join', 0) + by_rpc.get('init', 0))} | {share(by_rpc.get('heartbeat', 0))} "
+                     f"| {share(framing)} | {share(scales)} |")
+    return "\n".join(lines)
+
+
+SCALE_SHARE = {"int8": 4 / (4 + BLOCK), "int4": 4 / (4 + BLOCK // 2)}
+"""Share of an int8 / int4 payload that is block scales: one fp32 scale per block of BLOCK values, up to the last
+block's padding."""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", choices=("tiny", "small"))
@@ -96,7 +123,8 @@ def main() -> int:
     p.add_argument("--markdown", type=Path, metavar="JSON", help="print the table of a sweep and exit")
     args = p.parse_args()
     if args.markdown:
-        print(markdown(json.loads(args.markdown.read_text()), args.margin))
+        results = json.loads(args.markdown.read_text())
+        print(markdown(results, args.margin) + "\n\n" + parts_markdown(results))
         return 0
     variants = {}
     for v in args.variant or ["default="]:
@@ -123,7 +151,7 @@ def main() -> int:
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=1))
-    print(markdown(results, args.margin))
+    print(markdown(results, args.margin) + "\n\n" + parts_markdown(results))
     return 0
 
 

@@ -52,3 +52,12 @@ def test_the_table_says_when_a_seed_never_reached_t():
     assert "| default | `(defaults)` | 1.75 (1.50–2.00)× |" in table
     assert "| slow | `--quorum 4` | not reached in 1 of 1 seeds |" in table
     assert token_gap.ratio_cell([1.2, float("inf"), 1.4]) == "not reached in 1 of 3 seeds; 1.20×, 1.40×"
+
+
+def test_where_the_bytes_went_by_call_and_part():
+    parts = {"push": {"payload:int4": 360, "framing": 40}, "downlink": {"payload:int8": 340, "framing": 60},
+             "join": {"payload:fp32": 150, "framing": 10}, "heartbeat": {"framing": 40}}
+    table = token_gap.parts_markdown({"runs": {"v@0": {"wire_bytes": 1000, "wire_parts": parts}, "dp@0": {}}})
+    # scales: an int4 block is 4 + 32 bytes, an int8 block 4 + 64: 360 / 9 + 340 / 17 = 60 bytes
+    assert "| v@0 | 0.00 | 40.0% | 40.0% | 16.0% | 4.0% | 15.0% | 6.0% |" in table
+    assert "dp@0" not in table
