@@ -9,6 +9,7 @@ from diloco import codec
 from diloco.config import for_mode
 from diloco.fragments import TensorSpec, plan_fragments
 from diloco.learner.transport import Receiver
+from diloco.outer import delayed_nesterov_step
 from diloco.syncer.core import Refused, SyncerCore
 from diloco.syncer.downlink import tensor_checksum
 
@@ -331,6 +332,23 @@ def test_partial_round_is_scaled_by_its_share_of_expected_tokens():
         push(core, x, sessions[x], seq, value=1.0, tokens=400)
     core.poll()  # everyone live in one round: no scaling
     assert torch.allclose(core.fragments[1].theta, after - 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_outer_state_is_kept_only_when_momentum_can_move_theta(momentum):
+    # μ = 0, decoupled mode's default: (delayed) Nesterov is Θ ← Θ − η·Δ, and neither v nor the pending Σ is held
+    core, clock = make_core(learners=2, grace=0.0, outer_momentum=momentum, outer_lr=0.7)
+    sessions = {x: core.join(x, SPECS) for x in "ab"}
+    theta = core.fragments[1].theta.clone()
+    v, pending, pending_share = torch.zeros_like(theta), torch.zeros_like(theta), 0.0
+    for seq, (who, value) in enumerate([("a", 1.0), ("b", 0.5), ("a", 0.25)], start=1):
+        push(core, who, sessions[who], seq, value=value, tokens=400)
+        core.poll()  # one learner of two: a partial round, share 1/2
+        pending_share = delayed_nesterov_step(theta, torch.full_like(theta, value / 2), v, pending, 0.5,
+                                              pending_share, 0.7, momentum)
+    fs = core.fragments[1]
+    assert torch.equal(fs.theta, theta)
+    assert (fs.momentum.numel() == 0 and fs.pending_delta is None) == (momentum == 0.0)
 
 
 def test_a_long_contribution_counts_as_h_steps_in_the_share():

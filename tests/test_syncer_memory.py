@@ -45,8 +45,9 @@ def held_bytes(core) -> int:
     return total
 
 
-def peak_bytes(learners: int, rounds: int = 3) -> int:
-    cfg = for_mode("decoupled", learners, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0)
+def peak_bytes(learners: int, rounds: int = 3, outer_momentum: float | None = None) -> int:
+    cfg = for_mode("decoupled", learners, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
+                   outer_momentum=outer_momentum)
     core = SyncerCore(cfg)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(learners)}
@@ -74,5 +75,8 @@ def test_syncer_memory_does_not_grow_with_the_number_of_learners():
     two, sixteen = peak_bytes(2), peak_bytes(16)
     # before: a full fp32 copy of the model per learner plus one Δ per pending contribution (28 models more)
     assert sixteen - two < FRAGMENT_BYTES, (two, sixteen)
-    # Θ, momentum, delayed-momentum sum, P, ≤ 3 int8 changes and the open rounds' sums (RDA: 2 per fragment)
-    assert two < 8 * P * FRAGMENT_BYTES, two / (P * FRAGMENT_BYTES)
+    # Θ, P, ≤ 3 int8 changes, the open rounds' sums (RDA: 2 per fragment) and the reused buffers; with μ = 0, the
+    # decoupled default, no momentum or delayed-momentum sum (they would be 2 models more)
+    assert two < 5 * P * FRAGMENT_BYTES, two / (P * FRAGMENT_BYTES)
+    with_momentum = peak_bytes(2, outer_momentum=0.9)
+    assert 1.9 * P * FRAGMENT_BYTES < with_momentum - two < 2.1 * P * FRAGMENT_BYTES, (with_momentum - two) / (P * FRAGMENT_BYTES)

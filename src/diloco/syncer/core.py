@@ -161,7 +161,9 @@ class SyncerCore:
         """A fragment's state from its initial values; empty for one another shard owns."""
         if not self.owns(fragment.index):
             return FragmentState(fragment, torch.zeros(0), torch.zeros(0))
-        momentum = torch.zeros_like(flat) if fragment.role == "params" else torch.zeros(0)
+        # with μ = 0 (decoupled mode's default) Nesterov is the plain step: no momentum to keep
+        needed = fragment.role == "params" and persistence.outer_state_needed(self.cfg)
+        momentum = torch.zeros_like(flat) if needed else torch.zeros(0)
         return FragmentState(fragment, flat.clone(), momentum, guard=self.norm_guard(fragment))
 
     @property

@@ -170,8 +170,8 @@ def restore(core) -> bool:
             continue
         t = loaded.fragments[i]
         momentum, pending = t["momentum"], t["pending_delta"]
-        if fragment.role == "params" and not outer_state_needed(stored_cfg):  # not written: zeros again
-            momentum, pending = torch.zeros_like(t["theta"]), None
+        if fragment.role == "params" and not outer_state_needed(stored_cfg):  # neither written nor kept
+            momentum, pending = EMPTY, None
         fs = FragmentState(fragment, t["theta"], momentum, led["versions"][i], guard=core.norm_guard(fragment))
         fs.pending_delta, fs.pending_share = pending, led["pending_share"][i]
         core.fragments.append(fs)
