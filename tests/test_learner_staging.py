@@ -129,20 +129,175 @@ def test_keep_overlap_reads_the_values_at_the_push_back_from_a_kept_staged_delta
         assert slot.pushed is None and slot.base is merged
 
 
-def test_a_receiver_keeps_the_base_a_kept_push_was_computed_from():
+def change_to(held: torch.Tensor, target: torch.Tensor, fragment: int, version: int, seq: int, down: str = "int8"):
+    """A publication of the change from `held` towards `target`, and the values held after it."""
+    change = codec.encode(target - held, down)
+    after = held.clone()
+    codec.decode_add(change, after)  # what the syncer publishes: P + decode(change), in fp32
+    return SimpleNamespace(fragment=fragment, version=version, seq=seq, full=False, payload=change,
+                           result_checksum=tensor_checksum(after)), after
+
+
+def full_values(values: torch.Tensor, fragment: int, version: int, seq: int):
+    return SimpleNamespace(fragment=fragment, version=version, seq=seq, full=True, payload=codec.encode(values, "fp32"),
+                           result_checksum=tensor_checksum(values))
+
+
+@pytest.mark.parametrize("keep_overlap", [True, False])
+def test_a_receiver_decodes_the_answers_to_a_push_into_the_values_it_holds(keep_overlap):
+    torch.manual_seed(0)
+    held = torch.randn(1000)
+    receiver = Receiver()
+    receiver.reset([(0, 0, held)], keep_overlap=keep_overlap)
+    memory = held.data_ptr()
+    receiver.pushed(0, 1, held)
+    link, after_link = change_to(held, held + 0.01 * torch.randn(1000), 0, 1, 0)
+    answer, after = change_to(after_link, after_link + 0.01 * torch.randn(1000), 0, 2, 1)
+    assert receiver.accept(link) and receiver.accept(answer)
+    arrivals = receiver.drain(None)
+    assert [a.seq for a in arrivals] == [0, 1]
+    # no copy of the fragment: both changes went into the tensor the learner holds as its base
+    assert all(a.values is held for a in arrivals) and receiver.held[0] is held and held.data_ptr() == memory
+    assert torch.equal(held, after)
+    assert receiver.settle(0, 1) == [link.payload, answer.payload]  # what the apply needs of the base at the push
+    assert receiver.settle(0, 1) == []  # forgotten once settled
+
+
+def test_a_receiver_keeps_a_base_with_no_push_in_flight_under_keep_overlap():
+    torch.manual_seed(0)
     base = torch.randn(1000)
-    change = codec.encode(0.01 * torch.randn(1000), "int8")
-    for in_place in (True, False):
-        receiver = Receiver()
+    for keep_overlap in (True, False):
         held = base.clone()
-        receiver.reset([(0, 0, held)], in_place=in_place)
-        new = held + codec.decode(change)
-        pub = SimpleNamespace(fragment=0, version=1, seq=1, full=False, payload=change,
-                              result_checksum=tensor_checksum(new))
+        receiver = Receiver()
+        receiver.reset([(0, 0, held)], keep_overlap=keep_overlap)
+        pub, new = change_to(held, held + 0.01 * torch.randn(1000), 0, 1, 0)
         assert receiver.accept(pub)
         (arrival,) = receiver.drain(None)
         assert torch.equal(arrival.values, new)
-        assert (arrival.values is held) == in_place and torch.equal(held, new if in_place else base)
+        # keep-overlap: the base of the next push stays as it was (the learner applies none of this); overwrite: as
+        # before, in place
+        assert (arrival.values is held) != keep_overlap and torch.equal(held, base if keep_overlap else new)
+
+
+def test_changes_after_the_answer_do_not_touch_the_answer_under_keep_overlap():
+    torch.manual_seed(0)
+    held = torch.randn(1000)
+    receiver = Receiver()
+    receiver.reset([(0, 0, held)], keep_overlap=True)
+    receiver.pushed(0, 1, held)
+    answer, merged = change_to(held, held + 0.01 * torch.randn(1000), 0, 1, 1)
+    later, _ = change_to(merged, merged + 0.01 * torch.randn(1000), 0, 2, 0)
+    assert receiver.accept(answer) and receiver.accept(later)
+    first, second = receiver.drain(None)
+    assert first.values is held and torch.equal(held, merged) and second.values is not held
+    assert receiver.settle(0, 1) == [answer.payload]
+
+
+class ReceivingTransport(ExactRecording):
+    """Keeps push jobs, and delivers to the learner the publications a test hands its Receiver."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.receiver = Receiver()
+
+    def join(self, learner_id, specs, initial):
+        info = super().join(learner_id, specs, initial)
+        self.receiver.reset(info.fragments, keep_overlap=self.cfg.keep_overlap)
+        return info
+
+    def arrivals(self, timeout=None):
+        return self.receiver.drain(None)
+
+
+def pushed_learner(codec_name: str):
+    """A learner (keep-overlap) that pushed fragment 0 and took more steps since; (learner, transport, job, base at
+    the push, θ at the push, θ now), flat fp32 copies."""
+    cfg = for_mode("decoupled", 1, fragments=2, sync_every=4, keep_overlap=True, codec=codec_name, overlap=3)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32), nn.Linear(32, 50))
+    transport = ReceivingTransport(cfg)
+    learner = Learner(model, transport, "a")
+    transport.learner = learner
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    def flat():
+        return torch.cat([t.detach().reshape(-1).float() for t in learner._tensors(learner.layout[0])])
+
+    job = base = at_push = None
+    while True:
+        x = torch.randint(0, 50, (64,))
+        loss = nn.functional.cross_entropy(model(x), x)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if job is not None and learner.step_count == learner._slot[0].pushed_at + 2:
+            break  # two steps past the push of fragment 0, its answer not yet applied (τ = 3)
+        before = flat()
+        learner.step(64)
+        if job is None and transport.jobs and transport.jobs[-1].fragment == 0:
+            job, base, at_push = transport.jobs[-1], learner._slot[0].base.clone(), before
+    job.payload(codec_name)  # the sender encodes it before the syncer can answer
+    return learner, transport, job, base, at_push, flat()
+
+
+ANSWERS = {
+    "a change": ["change"],
+    "a chain of two changes": ["change", "change"],
+    "a full answer after a change": ["change", "full"],
+    "a change after full values": ["full", "change"],
+}
+
+
+@pytest.mark.parametrize("apply", ["in place", "flat"])
+@pytest.mark.parametrize("kinds", list(ANSWERS.values()), ids=list(ANSWERS))
+def test_keep_overlap_applies_answers_decoded_into_the_base_as_from_the_base_at_the_push(kinds, apply):
+    learner, transport, job, base, at_push, now = pushed_learner("int4")
+    slot, receiver = learner._slot[0], transport.receiver
+    staged = slot.pushed[0]
+    assert isinstance(staged, StagedDelta) and job.seq == slot.pushed_seq
+    memory = slot.base.data_ptr()
+    held = base.clone()  # the values the syncer believes this learner holds, computed apart from the learner's
+    torch.manual_seed(1)
+    for i, kind in enumerate(kinds):
+        seq = job.seq if i == len(kinds) - 1 else 0
+        if kind == "change":
+            pub, held = change_to(held, held + 0.01 * torch.randn(held.numel()), 0, slot.version + i + 1, seq)
+        else:
+            held = held + 0.01 * torch.randn(held.numel())
+            pub = full_values(held, 0, slot.version + i + 1, seq)
+        assert receiver.accept(pub)
+        if kind == "change" and "full" not in kinds[:i]:  # decoded into the base itself: no copy of the fragment
+            assert receiver.held[0] is slot.base and slot.base.data_ptr() == memory
+    learner._collect(block=False)
+    assert slot.ready is not None and slot.ready.seq == job.seq
+    # the apply as before: θ ← Θ + (θ − base at push) + Δ, from a base at the push kept whole
+    expected = (now - base + staged.values.float()) + held
+    fragment = learner.layout[0]
+    if apply == "in place":
+        learner._apply(0, learner._reads_local(slot))
+        after = torch.cat([t.detach().reshape(-1).float() for t in learner._tensors(fragment)])
+    else:  # what an island's leader broadcasts
+        after = learner._merged_values(slot, learner._local(fragment))
+    # the same up to fp32 rounding; a change left out or counted twice would be off by ~0.01
+    scale = float(torch.stack([now.abs().max(), base.abs().max(), held.abs().max()]).max())
+    assert (after - expected).abs().max() <= 8 * 2**-24 * scale
+    bf16 = float((base - at_push).abs().max()) * 2**-8  # θ at push read back as base − Δ, Δ rounded to bf16
+    assert torch.allclose(held + (now - at_push), after, rtol=0, atol=bf16 + 1e-6)
+    assert slot.pushed is None and slot.pushed_at is None and torch.equal(slot.base, held)
+    assert receiver.settle(0, job.seq) == []
+
+
+def test_keep_overlap_from_an_fp32_snapshot_applies_answers_decoded_into_the_base_exactly():
+    learner, transport, job, base, at_push, now = pushed_learner("fp32")
+    slot = learner._slot[0]
+    assert isinstance(slot.pushed[0], Snapshot)
+    link, after_link = change_to(base, base + 0.01 * torch.randn(base.numel()), 0, slot.version + 1, 0)
+    answer, merged = change_to(after_link, after_link + 0.01 * torch.randn(base.numel()), 0, slot.version + 2, job.seq)
+    assert transport.receiver.accept(link) and transport.receiver.accept(answer)
+    assert transport.receiver.held[0] is slot.base
+    learner._collect(block=False)
+    learner._apply(0, learner._reads_local(slot))
+    after = torch.cat([t.detach().reshape(-1).float() for t in learner._tensors(learner.layout[0])])
+    assert torch.equal(after, (now - at_push) + merged)  # θ ← Θ + (θ − θ at push), in that order, as before
 
 
 def test_finish_reads_each_fragment_only_when_its_payload_is_made():

@@ -159,7 +159,7 @@ def decode(payload: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty(payload.numel, dtype=torch.float32)
     if payload.codec == "bf16":
-        for lo, hi, chunk in _decoded_chunks(payload):
+        for lo, hi, chunk in decoded_chunks(payload):
             out[lo:hi] = chunk
         return out
     _decode_blocks_into(payload, out)
@@ -171,7 +171,7 @@ def decode_add(payload: Encoded, target: torch.Tensor) -> None:
     _verify(payload)
     if target.numel() != payload.numel:
         raise CorruptPayload(f"payload of {payload.numel} values cannot be added to {target.numel()} values")
-    for lo, hi, chunk in _decoded_chunks(payload):
+    for lo, hi, chunk in decoded_chunks(payload):
         target[lo:hi] += chunk
 
 
@@ -227,7 +227,7 @@ def _dequantise(codec: str, raw: np.ndarray, out: np.ndarray, scales: torch.Tens
     torch.from_numpy(out).view(-1, BLOCK).mul_(scales[:, None])
 
 
-def _decoded_chunks(payload: Encoded):
+def decoded_chunks(payload: Encoded):
     """(lo, hi, fp32 values lo..hi) of a verified payload, a chunk at a time."""
     numel, data, step = payload.numel, memoryview(payload.data), CHUNK_BLOCKS * BLOCK
     if payload.codec in ("fp32", "bf16"):

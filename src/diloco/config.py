@@ -90,7 +90,8 @@ class SyncConfig:
     """Ours (off is the paper's overwrite; decoupled mode: on, by measurement, docs/results.md). On apply, keep the
     local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding the steps between push and
     apply (overwrite). Their steps and tokens then count toward the next push. Costs the learner what it needs to
-    read the values at each push back: the pushed bf16 Δ (CPU, int4) or an fp32 snapshot, per fragment in flight."""
+    read the values at each push back: the pushed bf16 Δ (CPU, int4) or an fp32 snapshot, per fragment in flight,
+    and the encoded changes that answer it until the apply."""
     sync_buffers: bool = True
     """Average floating-point buffers (e.g. BatchNorm running statistics) across learners: each learner sends them
     with its push of fragment 0 (every H steps) and the syncer sets them to the token-weighted mean of what arrived.

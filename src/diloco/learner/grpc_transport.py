@@ -238,7 +238,7 @@ class GrpcTransport(HeartbeatNews):
             time.sleep(delay)
             delay = min(delay * 2, MAX_BACKOFF)
         self.config, self.session = info.config, info.session
-        self.receiver.reset(info.fragments, in_place=not info.config.keep_overlap)
+        self.receiver.reset(info.fragments, keep_overlap=info.config.keep_overlap)
         heap.release_after(self._max_payload)  # the join's message buffers, freed but still held by the heap
         for name, target in (("sender", background(self._send_loop)), ("receiver", background(self._receive_loop)),
                              ("heartbeat", self._heartbeat_loop)):

@@ -19,8 +19,8 @@ from torch import nn
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, fit_fragments, full, gather, named_state, plan_fragments, scatter, tensor_specs
 from diloco.learner.island import Island
-from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, snapshot, to_device
-from diloco.learner.transport import Arrival, PushJob, SyncerError, Transport
+from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, kept_progress, snapshot, to_device
+from diloco.learner.transport import Arrival, PushJob, Receiver, SyncerError, Transport
 from diloco.schedule import due
 
 log = logging.getLogger("diloco.learner")
@@ -47,12 +47,9 @@ class FragmentSlot:
     ready: Arrival | None = None
     """A merged result that arrived and waits for its apply step."""
     pushed: tuple[Snapshot | StagedDelta, int, int] | None = None
-    """(local values, or Δ = base − them, steps, tokens) at the push, for keeping the overlapped progress on apply."""
-
-    def at_push(self) -> torch.Tensor:
-        """The fragment's local values at the push, flat fp32 on the model's device (keep-overlap)."""
-        taken = self.pushed[0]
-        return self.base - taken.values.float() if isinstance(taken, StagedDelta) else taken.device()
+    """(local values, or Δ = base − them, steps, tokens) at the push, for keeping the overlapped progress on apply.
+    With a staged Δ, `base` is the same tensor until the apply, but the answers to the push may have been decoded
+    into it: the receiver keeps those changes for the apply (Receiver.settle)."""
 
 
 def _refuse_lone_rank(model: nn.Module) -> None:
@@ -168,6 +165,9 @@ class Learner:
             elif self.leader and getattr(self.transport, "receiver", None) is not None:
                 self.transport.receiver.forget(fragment.index)
         self._slot = {slot.fragment.index: slot for slot in self.slots}
+        receiver = getattr(self.transport, "receiver", None) if self.leader else None
+        self._receiver: Receiver | None = receiver if isinstance(receiver, Receiver) else None
+        """Where merged values are decoded (None for a transport without one: its values never change in place)."""
         self._arena = DeltaArena(max((s.fragment.numel for s in self.slots), default=0))
 
     def _pushable(self, fragment: Fragment) -> bool:
@@ -339,6 +339,8 @@ class Learner:
         if keep:
             slot.pushed = (staged if staged is not None else taken, slot.steps, slot.tokens)
         self._seq += 1
+        if self._receiver is not None:  # before the push: an in-process answer arrives within it
+            self._receiver.pushed(p, self._seq, slot.base if keep and staged is not None else None)
         self.transport.push(PushJob(p, slot.base, taken, slot.version, slot.steps, slot.tokens, self._seq,
                                     self.data_position, staged))
         slot.pushed_at, slot.pushed_seq = self.step_count, self._seq
@@ -395,10 +397,15 @@ class Learner:
 
     def _apply_in_place(self, slot: FragmentSlot, reads_local: bool) -> None:
         """Apply tensor by tensor, in place: no flat copy of the fragment on the training thread."""
-        values = to_device(slot.ready.values, self.device)
         keep = reads_local and self.config.keep_overlap and slot.pushed is not None
         staged = slot.pushed[0] if keep and isinstance(slot.pushed[0], StagedDelta) else None
-        taken = slot.pushed[0].device() if keep and staged is None else None
+        changes = self._changes_since_push(slot)
+        if staged is not None:
+            self._add_kept(slot, changes, staged)
+            self._settle(slot, keep=keep)
+            return
+        values = to_device(slot.ready.values, self.device)
+        taken = slot.pushed[0].device() if keep else None
         offset = 0
         with torch.no_grad():
             for spec, t in zip(slot.fragment.specs, self._tensors(slot.fragment)):
@@ -406,8 +413,6 @@ class Learner:
                 span = slice(offset, offset + spec.numel)
                 if taken is not None:  # θ ← Θ + (θ − θ at push): the steps taken since the push stay
                     t.sub_(taken[span].view(t.shape)).add_(new)
-                elif staged is not None:  # θ at push = base − Δ: θ ← Θ + (θ − base) + Δ
-                    t.sub_(slot.base[span].view(t.shape)).add_(staged.values[span].view(t.shape)).add_(new)
                 elif reads_local:
                     t.mul_(self.config.blend).add_(new, alpha=1 - self.config.blend)
                 else:
@@ -415,22 +420,60 @@ class Learner:
                 offset += spec.numel
         self._settle(slot, keep=keep)
 
+    def _add_kept(self, slot: FragmentSlot, changes: list, staged: StagedDelta) -> None:
+        """θ ← θ + (Θ − base at push) + Δ, which is Θ + (θ − θ at push) with θ at push = base − Δ: the steps taken
+        since the push stay. A chunk at a time straight into the model's tensors (fragment tensors lie end to end in
+        the flat values), so no fragment-sized fp32 vector is made (see kept_progress for the summation order)."""
+        tensors = self._tensors(slot.fragment)
+        flats = [t.detach().view(-1) if t.is_contiguous() else torch.zeros(t.numel(), dtype=torch.float32,
+                                                                             device=t.device) for t in tensors]
+        ends = [0]
+        for t in tensors:
+            ends.append(ends[-1] + t.numel())
+        first = 0
+        with torch.no_grad():
+            for lo, hi, gain in kept_progress(slot.ready.values, slot.base, changes, staged.values):
+                while ends[first + 1] <= lo:
+                    first += 1
+                i = first
+                while i < len(tensors) and ends[i] < hi:
+                    a, b = max(lo, ends[i]), min(hi, ends[i + 1])
+                    flats[i][a - ends[i] : b - ends[i]].add_(gain[a - lo : b - lo].to(flats[i].device))
+                    i += 1
+            for t, flat in zip(tensors, flats):
+                if not t.is_contiguous():  # its gain was gathered whole: a view of it is not one flat span
+                    t.add_(flat.view(t.shape))
+
+    def _changes_since_push(self, slot: FragmentSlot) -> list:
+        """The encoded changes decoded into the slot's base since its push (see Receiver.settle); the receiver
+        forgets the push."""
+        return self._receiver.settle(slot.fragment.index, slot.pushed_seq) if self._receiver is not None else []
+
     def _merged_values(self, slot: FragmentSlot, local: list[torch.Tensor] | None) -> torch.Tensor:
         """The fragment's new values as one flat vector on the model's device (islands broadcast it)."""
-        values = to_device(slot.ready.values, self.device)
         keep = local is not None and self.config.keep_overlap and slot.pushed is not None
+        changes = self._changes_since_push(slot)
+        values = slot.ready.values
         if local is not None:
             now = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in local])
-            if keep:
-                values = values + (now - slot.at_push())  # steps taken since the push stay
+            taken = slot.pushed[0] if keep else None
+            if isinstance(taken, StagedDelta):  # θ + (Θ − base at push) + Δ: the steps taken since the push stay
+                for lo, hi, gain in kept_progress(values, slot.base, changes, taken.values):
+                    now[lo:hi] += gain.to(now.device)
+                values = now
+            elif keep:  # Θ + (θ − θ at push): the steps taken since the push stay
+                values = to_device(values, self.device) + (now - taken.device())
             else:
-                values = self.config.blend * now + (1 - self.config.blend) * values
+                values = self.config.blend * now + (1 - self.config.blend) * to_device(values, self.device)
+        else:
+            values = to_device(values, self.device)
         self._settle(slot, keep)
         return values
 
     def _settle(self, slot: FragmentSlot, keep: bool) -> None:
         """After an apply: the merged values are the new base; kept progress counts toward the next push."""
         arrival = slot.ready
+        self._changes_since_push(slot)  # the receiver forgets the push (an answer applied without reading them)
         steps, tokens = (slot.steps - slot.pushed[1], slot.tokens - slot.pushed[2]) if keep else (0, 0)
         slot.base, slot.version = arrival.values, arrival.version
         slot.steps, slot.tokens, slot.pushed = steps, tokens, None

@@ -58,7 +58,7 @@ class ShardedTransport:
             raise SyncerError(f"the syncers at {', '.join(s.address for s in self.shards)} do not serve the "
                               f"{first.config.fragments} fragments as shards 0..{len(self.shards) - 1} in this order "
                               f"(fragments {sorted(f[0] for f in fragments)}); check each syncer's --shard")
-        self.receiver.reset(fragments, in_place=not first.config.keep_overlap)
+        self.receiver.reset(fragments, keep_overlap=first.config.keep_overlap)
         # each shard records where this learner's merged work on its fragments ended: resume at the earliest, so
         # no data is skipped (a little is read again)
         return JoinInfo(first.config, first.session, fragments, min(info.data_position for info in infos),

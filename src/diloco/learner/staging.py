@@ -11,8 +11,11 @@ host memory on a side stream; the sender thread waits for that copy, not the tra
 from __future__ import annotations
 
 import threading
+from typing import Iterator
 
 import torch
+
+from diloco import codec
 
 STAGE_CHUNK = 1 << 20
 """Values subtracted at a time when staging Δ: the fp32 temporaries stay a few MB."""
@@ -155,3 +158,33 @@ class StagedDelta:
         if self._lent:
             self._arena.give_back()
         self.values, self._lent = None, False
+
+
+def kept_progress(values: torch.Tensor, base: torch.Tensor, changes: list[codec.Encoded], delta: torch.Tensor
+                  ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(lo, hi, fp32 values lo..hi of (Θ − base at push) + Δ), a chunk at a time: what a keep-overlap apply adds to
+    the local values, θ ← θ + (Θ − base at push) + Δ, which is Θ + (θ − θ at push) since θ at push = base − Δ.
+
+    The base a push was computed from is not kept whole: the changes that answer it are decoded into it in place.
+    `base` is that tensor as it is now, `changes` the encoded changes decoded into it since the push (in order),
+    `values` the merged values Θ (`base` itself unless a full answer replaced it), `delta` the push's staged Δ.
+    Then Θ − base at push = (values − base) + Σ changes, summed here as (values − base) + change₁ + … + Δ: the same
+    value as Θ − base at push + Δ up to fp32 rounding (decoding a change into the base rounded it, to |base|'s
+    precision; its decoded values are added here as they are). Chunk buffers are reused: use each before the next."""
+    numel, step = base.numel(), codec.CHUNK_BLOCKS * codec.BLOCK
+    decoded = [codec.decoded_chunks(c) for c in changes]  # payloads verified when they were decoded into the base
+    buffer = torch.empty(min(step, numel), dtype=torch.float32)
+    for lo in range(0, numel, step):
+        hi = min(lo + step, numel)
+        gain = buffer[: hi - lo]
+        if values is base:
+            gain.zero_()
+        else:
+            torch.sub(values[lo:hi], base[lo:hi], out=gain)
+        for chunks in decoded:
+            at, to, chunk = next(chunks)
+            if (at, to) != (lo, hi):
+                raise ValueError(f"a change's chunk {at}..{to} is not {lo}..{hi}")
+            gain += chunk
+        gain += delta[lo:hi]
+        yield lo, hi, gain

@@ -121,37 +121,85 @@ class HeartbeatNews:
         return lead
 
 
+@dataclass
+class _InFlight:
+    """A push whose answer has not arrived, as its Receiver sees it."""
+
+    seq: int
+    base: torch.Tensor | None
+    """The values the push was computed from, when its apply reads them back (keep-overlap with a staged Δ)."""
+    changes: list[codec.Encoded]
+    """The encoded changes decoded into `base` since the push, in order."""
+    answered: bool = False
+
+
 class Receiver:
     """Turns publications into full fragment values, keeping exactly what the syncer believes we hold."""
 
     def __init__(self) -> None:
         self.held: dict[int, torch.Tensor] = {}
-        self.in_place = True
+        self.keep_overlap = False
         self.inbox: queue.Queue[Arrival] = queue.Queue()
         self.pin_memory = False
         """Put arriving values in pinned memory (a CUDA learner copies them to the device without waiting)."""
+        self._pushes: dict[int, _InFlight] = {}
+        self._lock = threading.Lock()
 
-    def reset(self, fragments: list[tuple[int, int, torch.Tensor]], in_place: bool = True) -> None:
-        """Start from the join's values; they are shared with the learner's bases, never changed in place.
-        `in_place`: decode a change into the values it changes (the base a push was computed from is then gone by
-        its apply: keep-overlap, which reads it back, needs False)."""
-        self.held = {i: v for i, _, v in fragments}
-        self.in_place = in_place
+    def reset(self, fragments: list[tuple[int, int, torch.Tensor]], keep_overlap: bool = False) -> None:
+        """Start from the join's values; they are shared with the learner's bases. A change is decoded into the
+        values it changes, no second copy of a big fragment. `keep_overlap`: the learner keeps a base until its
+        next push, so a change to a fragment with no push awaiting its answer is decoded into a copy (the answers
+        to a push are decoded in place; the changes decoded into its base are kept for its apply, see `pushed`)."""
+        with self._lock:
+            self.held = {i: v for i, _, v in fragments}
+            self.keep_overlap = keep_overlap
+            self._pushes = {}
 
     def forget(self, fragment: int) -> None:
         """Stop tracking a fragment that is never published again (frozen tensors set on join)."""
         self.held.pop(fragment, None)
 
+    def pushed(self, fragment: int, seq: int, base: torch.Tensor | None = None) -> None:
+        """The learner pushes `fragment` as push `seq` (call it before the push is sent: an in-process answer comes
+        back at once). Until its answer arrives, changes to the fragment are decoded in place; those decoded into
+        `base`, the values the push was computed from, are kept (encoded) for `settle`. Changes reach a learner
+        only in answer to its pushes, so the syncer has this push, and its Δ was read from `base`, before any of
+        them is decoded into it."""
+        with self._lock:
+            self._pushes[fragment] = _InFlight(seq, base, [])
+
+    def settle(self, fragment: int, seq: int) -> list[codec.Encoded]:
+        """The answer to push `seq` of `fragment` is applied: the encoded changes decoded into that push's base
+        since it was made, in order (none after its answer: later ones, if any, went into a copy). Forgets it."""
+        with self._lock:
+            flight = self._pushes.get(fragment)
+            if flight is None or flight.seq != seq:
+                return []
+            del self._pushes[fragment]
+            return flight.changes
+
     def accept(self, pub: Publication, refused: str = "") -> bool:  # or anything with Publication's fields
         """Decode and queue one publication; False when its result does not match (a resync is needed). A link of
         a chain of changes (seq 0) updates what we hold and is queued like any other; the Learner applies only the
         answer to the push it waits for, and pushes are numbered from 1."""
+        with self._lock:
+            flight = self._pushes.get(pub.fragment)
+            if flight is not None and flight.answered:
+                flight = None  # only a push still waiting for its answer
         if pub.full:
             values = codec.decode(pub.payload)
-        else:  # in place, a big fragment's change never needs a second copy of it: nothing else reads these values
-            # until this answer is applied. With keep-overlap the learner's base must stay as it was until the apply
-            values = self.held[pub.fragment] if self.in_place else self.held[pub.fragment].clone()
-            codec.decode_add(pub.payload, values)
+        else:  # in place, a big fragment's change never needs a second copy of it. With keep-overlap only the changes
+            # that reach a push before its answer (the answer included) go into its base, and each is kept for the
+            # apply (see `pushed`); any other change goes into a copy, leaving the learner's base as it was
+            held = self.held[pub.fragment]
+            values = held if flight is not None or not self.keep_overlap else held.clone()
+            codec.decode_add(pub.payload, values)  # a damaged payload raises before anything is written
+        if flight is not None:
+            with self._lock:
+                if not pub.full and flight.base is values:
+                    flight.changes.append(pub.payload)
+                if pub.seq == flight.seq:
+                    flight.answered = True
         if tensor_checksum(values) != pub.result_checksum:
             return False
         if self.pin_memory:
@@ -210,13 +258,14 @@ class LocalTransport(HeartbeatNews):
                 raise SyncerError(str(e)) from None
             receiver = self.local.receivers.setdefault(learner_id, Receiver())
             fragments = core.snapshot_for_join(learner_id)  # copies already
-            receiver.reset(fragments, in_place=not core.cfg.keep_overlap)
+            receiver.reset(fragments, keep_overlap=core.cfg.keep_overlap)
             record = core.learners[learner_id]
             return JoinInfo(core.cfg, self.session, fragments, record.data_position, record.start_position)
 
     @property
-    def receiver(self) -> Receiver:
-        return self.local.receivers[self.learner_id]
+    def receiver(self) -> Receiver | None:
+        """This learner's receiver; None before it joined."""
+        return self.local.receivers.get(self.learner_id)
 
     def push(self, job: PushJob) -> None:
         cfg = self.local.core.cfg
