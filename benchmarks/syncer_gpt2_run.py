@@ -107,6 +107,46 @@ def vm_hwm(pid: int) -> int:
     return 0
 
 
+def vm_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssSampler:
+    """The syncer's RSS every 0.2 s and the first time training was under way (tokens trained reported): whether
+    its peak comes from the joins and the initial upload or from the rounds."""
+
+    def __init__(self, pid: int, http_port: int):
+        import threading
+
+        self.pid, self.http_port, self.samples, self.training_from = pid, http_port, [], None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.started = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.samples.append((time.monotonic() - self.started, vm_rss(self.pid)))
+                if self.training_from is None and status(self.http_port).get("tokens_trained", 0) > 0:
+                    self.training_from = time.monotonic() - self.started
+            except (OSError, ValueError):
+                pass
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(5)
+        peak_at, peak = max(self.samples, key=lambda x: x[1], default=(None, 0))
+        later = [rss for t, rss in self.samples if self.training_from is not None and t >= self.training_from + 10]
+        series = [(round(t, 1), round(rss / 2**20)) for t, rss in self.samples[::5]]  # every second, MiB
+        return {"rss_peak_sampled_bytes": peak, "rss_peak_at_seconds": peak_at, "rss_mib_series": series,
+                "training_from_seconds": self.training_from,
+                "rss_peak_from_10s_into_training_bytes": max(later, default=0)}
+
+
 def status(http_port: int) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=10) as r:
         return json.loads(r.read())
@@ -130,6 +170,7 @@ def main() -> None:
         try:
             out, stop = ctx.Queue(), ctx.Event()
             started = time.monotonic()
+            sampler = RssSampler(syncer.pid, http_port)
             workers = [ctx.Process(target=learner, args=(address, f"gpt2-{i}", args.steps, i, out))
                        for i in range(args.learners)]
             for w in workers:
@@ -144,13 +185,15 @@ def main() -> None:
             seconds = time.monotonic() - started
             final = status(http_port)
             peak = vm_hwm(syncer.pid)
+            sampled = sampler.stop()
         finally:
             syncer.terminate()
             syncer.wait(120)
     lat = sorted(latencies)
     result = {
         "learners": args.learners, "steps": args.steps, "seconds": seconds, "model_bytes": model_bytes,
-        "syncer_peak_rss_bytes": peak, "syncer_peak_rss_over_model": peak / model_bytes,
+        "syncer_peak_rss_bytes": peak, "syncer_peak_rss_over_model": peak / model_bytes, **sampled,
+        "syncer_peak_rss_in_training_over_model": sampled["rss_peak_from_10s_into_training_bytes"] / model_bytes,
         "heartbeats": len(lat), "heartbeat_p50_ms": 1e3 * statistics.median(lat),
         "heartbeat_p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))], "heartbeat_max_ms": 1e3 * lat[-1],
         "syncer_loop_lag_max_ms": 1e3 * final.get("loop_lag_max_seconds", 0.0),

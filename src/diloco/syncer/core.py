@@ -52,8 +52,10 @@ def check_learner_id(learner_id: str) -> str:
 DEPARTED_KEPT = 4096
 """Records of learners that left or are absent kept at most (oldest forgotten first): ids cost memory."""
 RECENT_ROUNDS = 300
-REUSED_FRAGMENTS = 3
-"""Free fragment-sized buffers kept for reuse, in units of the largest fragment: a round's two sums and a push."""
+REUSED_FRAGMENTS = 1
+"""Free buffers kept for reuse, in sizes of the largest fragment: one embedding fragment's worth holds the few
+smaller buffers a round of any other fragment needs. 3 (before) held 0.45 F more at GPT-2's peak for pushes that
+went no faster (1.08 against 1.06 GB/s through SyncerCore, benchmarks/syncer_throughput.py)."""
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 
 
