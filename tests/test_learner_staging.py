@@ -69,20 +69,29 @@ class ExactRecording(Recording):
         super().push(job)
 
 
-def trained_learner(steps: int = 6, **overrides) -> tuple[Learner, ExactRecording, nn.Module]:
+def joined_learner(transport_type, **overrides):
+    """(learner, transport, model, optimizer): a small model with an embedding, P = 2, H = 4, through `transport_type`."""
     cfg = for_mode("decoupled", 1, fragments=2, sync_every=4, **overrides)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32), nn.Linear(32, 50))
-    transport = ExactRecording(cfg)
+    transport = transport_type(cfg)
     learner = Learner(model, transport, "a")
     transport.learner = learner
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return learner, transport, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def inner_step(model, optimizer) -> None:
+    x = torch.randint(0, 50, (64,))
+    loss = nn.functional.cross_entropy(model(x), x)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def trained_learner(steps: int = 6, **overrides) -> tuple[Learner, ExactRecording, nn.Module]:
+    learner, transport, model, optimizer = joined_learner(ExactRecording, **overrides)
     for _ in range(steps):
-        x = torch.randint(0, 50, (64,))
-        loss = nn.functional.cross_entropy(model(x), x)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        inner_step(model, optimizer)
         learner.step(64)
     return learner, transport, model
 
@@ -212,23 +221,15 @@ class ReceivingTransport(ExactRecording):
 def pushed_learner(codec_name: str):
     """A learner (keep-overlap) that pushed fragment 0 and took more steps since; (learner, transport, job, base at
     the push, θ at the push, θ now), flat fp32 copies."""
-    cfg = for_mode("decoupled", 1, fragments=2, sync_every=4, keep_overlap=True, codec=codec_name, overlap=3)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32), nn.Linear(32, 50))
-    transport = ReceivingTransport(cfg)
-    learner = Learner(model, transport, "a")
-    transport.learner = learner
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    learner, transport, model, optimizer = joined_learner(ReceivingTransport, keep_overlap=True, codec=codec_name,
+                                                          overlap=3)
+
     def flat():
         return torch.cat([t.detach().reshape(-1).float() for t in learner._tensors(learner.layout[0])])
 
     job = base = at_push = None
     while True:
-        x = torch.randint(0, 50, (64,))
-        loss = nn.functional.cross_entropy(model(x), x)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        inner_step(model, optimizer)
         if job is not None and learner.step_count == learner._slot[0].pushed_at + 2:
             break  # two steps past the push of fragment 0, its answer not yet applied (τ = 3)
         before = flat()
