@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -100,16 +101,10 @@ def probe(address: str, http_port: int, stop, out) -> None:
     out.put(latencies)
 
 
-def vm_hwm(pid: int) -> int:
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A memory figure of /proc/PID/status (VmHWM: peak RSS, VmRSS: RSS now) in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def vm_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -119,8 +114,6 @@ class RssSampler:
     its peak comes from the joins and the initial upload or from the rounds."""
 
     def __init__(self, pid: int, http_port: int):
-        import threading
-
         self.pid, self.http_port, self.samples, self.training_from = pid, http_port, [], None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -130,7 +123,7 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.wait(0.2):
             try:
-                self.samples.append((time.monotonic() - self.started, vm_rss(self.pid)))
+                self.samples.append((time.monotonic() - self.started, proc_status_bytes(self.pid, "VmRSS")))
                 if self.training_from is None and status(self.http_port).get("tokens_trained", 0) > 0:
                     self.training_from = time.monotonic() - self.started
             except (OSError, ValueError):
@@ -184,7 +177,7 @@ def main() -> None:
                 w.join(60)
             seconds = time.monotonic() - started
             final = status(http_port)
-            peak = vm_hwm(syncer.pid)
+            peak = proc_status_bytes(syncer.pid, "VmHWM")
             sampled = sampler.stop()
         finally:
             syncer.terminate()

@@ -120,6 +120,12 @@ class SyncConfig:
     """A learner that left, or has been absent, this long is forgotten: its record (where it would resume, its
     counters) is dropped, and the same id joining later starts afresh."""
 
+    @property
+    def keeps_outer_state(self) -> bool:
+        """Whether the outer momentum (and the delayed-momentum sum) can move Θ: not with μ = 0, decoupled mode's
+        default, where Nesterov, delayed or not, is the plain step Θ ← Θ − η·Δ and neither is kept or saved."""
+        return self.outer_momentum != 0
+
     def policy(self) -> PolicyConfig:
         """The settings the round-closing policy reads."""
         return PolicyConfig(self.quorum, self.overlap, self.grace, self.grace_gamma, self.grace_cap_steps,

@@ -399,9 +399,8 @@ class Learner:
         """Apply tensor by tensor, in place: no flat copy of the fragment on the training thread."""
         keep = reads_local and self.config.keep_overlap and slot.pushed is not None
         staged = slot.pushed[0] if keep and isinstance(slot.pushed[0], StagedDelta) else None
-        changes = self._changes_since_push(slot)
         if staged is not None:
-            self._add_kept(slot, changes, staged)
+            self._add_kept(slot, self._changes_since_push(slot), staged)
             self._settle(slot, keep=keep)
             return
         values = to_device(slot.ready.values, self.device)
@@ -452,13 +451,12 @@ class Learner:
     def _merged_values(self, slot: FragmentSlot, local: list[torch.Tensor] | None) -> torch.Tensor:
         """The fragment's new values as one flat vector on the model's device (islands broadcast it)."""
         keep = local is not None and self.config.keep_overlap and slot.pushed is not None
-        changes = self._changes_since_push(slot)
         values = slot.ready.values
         if local is not None:
             now = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in local])
             taken = slot.pushed[0] if keep else None
             if isinstance(taken, StagedDelta):  # θ + (Θ − base at push) + Δ: the steps taken since the push stay
-                for lo, hi, gain in kept_progress(values, slot.base, changes, taken.values):
+                for lo, hi, gain in kept_progress(values, slot.base, self._changes_since_push(slot), taken.values):
                     now[lo:hi] += gain.to(now.device)
                 values = now
             elif keep:  # Θ + (θ − θ at push): the steps taken since the push stay

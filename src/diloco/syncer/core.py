@@ -163,8 +163,7 @@ class SyncerCore:
         """A fragment's state from its initial values; empty for one another shard owns."""
         if not self.owns(fragment.index):
             return FragmentState(fragment, torch.zeros(0), torch.zeros(0))
-        # with μ = 0 (decoupled mode's default) Nesterov is the plain step: no momentum to keep
-        needed = fragment.role == "params" and persistence.outer_state_needed(self.cfg)
+        needed = fragment.role == "params" and self.cfg.keeps_outer_state
         momentum = torch.zeros_like(flat) if needed else torch.zeros(0)
         return FragmentState(fragment, flat.clone(), momentum, guard=self.norm_guard(fragment))
 

@@ -6,6 +6,9 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from diloco.codec import CODECS
+from diloco.wire.messages import payload_part, wire_size
+
 MAX_REASONS = 32
 """Distinct `reason` labels of diloco_refusals; later new ones count as "other" (labels must not grow unbounded)."""
 
@@ -95,10 +98,17 @@ class SyncerMetrics:
         """Bytes sent to and received from learners (the syncer's view), for /status."""
         return {f"wire_bytes_{d}": int(self.wire_bytes.labels(d)._value.get()) for d in ("sent", "received")}
 
-    def count_parts(self, rpc: str, codec: str | None, payload: int, size: int) -> None:
-        """One message of `size` bytes, `payload` of them encoded values in `codec` (a validated name)."""
-        if payload:
-            self.wire_parts.labels(rpc, f"payload:{codec}").inc(payload)
+    def count_message(self, message, direction: str, codec_name: str | None = None) -> None:
+        """One gRPC message to or from a learner, by direction and by call and part; `codec_name`: the codec of a
+        push's data chunk, named in its stream's header."""
+        size = wire_size(message)
+        self.wire_bytes.labels(direction).inc(size)
+        rpc, carried, payload = payload_part(message)
+        name = carried or codec_name
+        if payload and name in CODECS:  # an unknown codec name is not a label: those bytes count as framing
+            self.wire_parts.labels(rpc, f"payload:{name}").inc(payload)
+        else:
+            payload = 0
         self.wire_parts.labels(rpc, "framing").inc(size - payload)
 
     def wire_by_part(self) -> dict[str, dict[str, int]]:

@@ -39,12 +39,6 @@ def ledger(core) -> dict:
 EMPTY = torch.zeros(0)
 
 
-def outer_state_needed(cfg: SyncConfig) -> bool:
-    """Whether the outer momentum (and the delayed-momentum sum) can still move Θ: not with μ = 0, decoupled
-    mode's default, where v ← Δ is multiplied by μ before it is ever used."""
-    return cfg.outer_momentum != 0
-
-
 def persist(core, changed) -> None:
     """Write the ledger and the `changed` fragments (and any a failed write left unsaved).
 
@@ -59,7 +53,7 @@ def persist(core, changed) -> None:
     tensors = {}
     for i in sorted(todo):
         fs = core.fragments[i]
-        if outer_state_needed(core.cfg):
+        if core.cfg.keeps_outer_state:
             pending = fs.pending_delta if fs.pending_delta is not None else torch.zeros_like(fs.momentum)
             momentum = fs.momentum
         else:  # with μ = 0 neither ever moves Θ again: only Θ is written, a third of the bytes
@@ -136,7 +130,7 @@ def check(loaded: Loaded) -> None:
         if missing:
             raise Damaged(name, f"lacks tensors {sorted(missing)}")
         n = fragment.numel
-        outer = fragment.role == "params" and outer_state_needed(cfg)
+        outer = fragment.role == "params" and cfg.keeps_outer_state
         expected = {"theta": (n,), "momentum": (n,) if outer else (0,)}
         expected["pending_delta"] = expected["momentum"]
         for key, shape in expected.items():
@@ -170,7 +164,7 @@ def restore(core) -> bool:
             continue
         t = loaded.fragments[i]
         momentum, pending = t["momentum"], t["pending_delta"]
-        if fragment.role == "params" and not outer_state_needed(stored_cfg):  # neither written nor kept
+        if fragment.role == "params" and not stored_cfg.keeps_outer_state:  # neither written nor kept
             momentum, pending = EMPTY, None
         fs = FragmentState(fragment, t["theta"], momentum, led["versions"][i], guard=core.norm_guard(fragment))
         fs.pending_delta, fs.pending_share = pending, led["pending_share"][i]

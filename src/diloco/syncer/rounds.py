@@ -11,7 +11,7 @@ from diloco import codec
 from diloco.config import SyncConfig
 from diloco.merge import token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
-from diloco.syncer import downlink, persistence
+from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
 
 
@@ -50,7 +50,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     pending_share = fs.pending_share
     if not params:  # buffers: their token-weighted mean, Θ − mean(Θ_base − b_m), no outer optimizer
         fs.theta.sub_(delta)
-    elif not persistence.outer_state_needed(core.cfg):  # μ = 0: Nesterov, delayed or not, is Θ ← Θ − η·Δ
+    elif not core.cfg.keeps_outer_state:  # μ = 0: Nesterov, delayed or not, is Θ ← Θ − η·Δ
         fs.theta.sub_(delta, alpha=core.cfg.outer_lr)
     elif core.cfg.delayed_momentum:
         if fs.pending_delta is None:

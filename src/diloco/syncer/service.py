@@ -34,7 +34,7 @@ from diloco.wire import diloco_pb2 as pb
 from diloco.wire import bounds
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import shown
-from diloco.wire.messages import Assembler, blobs, payload_part, specs_from_proto, wire_size
+from diloco.wire.messages import Assembler, blobs, specs_from_proto
 
 log = logging.getLogger("diloco.syncer")
 IDLE = object()
@@ -136,19 +136,11 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._ledger_pool.shutdown(wait=True)
 
     def _count_in(self, message, codec_name: str | None = None) -> None:
-        self._count(message, "received", codec_name)
+        self.metrics.count_message(message, "received", codec_name)
 
     def _count_out(self, message):
-        self._count(message, "sent")
+        self.metrics.count_message(message, "sent")
         return message
-
-    def _count(self, message, direction: str, codec_name: str | None = None) -> None:
-        size = wire_size(message)
-        self.metrics.wire_bytes.labels(direction).inc(size)
-        rpc, carried, payload = payload_part(message)
-        if payload and (carried or codec_name) not in codec.CODECS:
-            carried, payload = None, 0  # an unknown codec name is not a label: those bytes count as framing
-        self.metrics.count_parts(rpc, carried or codec_name, payload, size)
 
     async def _bad_input(self, context, rpc: str, e: BaseException) -> None:
         self.metrics.refused("bad input")
