@@ -578,6 +578,22 @@ def test_a_learner_rejoining_a_synchronous_run_starts_in_phase_and_open_rounds_d
     assert {p.learner for p in core.poll()} == {"a", "b", "c"}  # ... and closes with all three
 
 
+def test_a_joiner_starts_after_the_most_advanced_peer_not_the_latest_push():
+    # a leads and has opened fragment 1's round; b, a fragment behind, pushes fragment 0 after it. A joiner that
+    # started after b's push would push fragment 1 alone, once its round has closed, and block on a merge that
+    # its peers reach only a period later while they wait for it on fragment 2
+    core, clock = make_core(learners=3, quorum=3, wait_for_merge=True)
+    sessions = {lid: core.join(lid, SPECS) for lid in "ab"}
+    assert push(core, "a", sessions["a"], 1, fragment=0).accepted
+    clock.now += 0.1
+    assert push(core, "a", sessions["a"], 2, fragment=1).accepted
+    clock.now += 0.1
+    assert push(core, "b", sessions["b"], 1, fragment=0).accepted  # the latest push, but behind a's
+    clock.now += 0.1
+    core.join("c", SPECS)
+    assert core.learners["c"].start_position == 3  # after fragment 1 (offset 2): c pushes fragment 2 first
+
+
 def test_a_learner_joining_a_decoupled_run_keeps_its_own_schedule():
     core, _ = make_core(learners=2)
     s = core.join("a", SPECS)

@@ -31,7 +31,7 @@ from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
 from diloco.merge import StreamingMerge, segment_norms, token_weight
 from diloco.policy import Averages, MovingAverage, RoundState, decide
-from diloco.schedule import offset
+from diloco.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import downlink, persistence, phase, rounds
 from diloco.syncer.buffers import Buffers
@@ -228,13 +228,15 @@ class SyncerCore:
         """Where a joiner's push schedule starts in a synchronous mode (1..H): just after the fragment its live
         peers pushed last, so it pushes next what they push next. Rounds already open when it joins do not wait for
         it (`awaited`); every later round waits for a fragment it will push. Started at fragment 0 instead, it
-        would wait for a merge its peers never push towards, while they wait for it. None: no live peer has pushed
-        in its current session (the schedule starts at its beginning)."""
-        latest = max((r.last_push for i in self.live() - {learner_id}
-                      if (r := self.learners[i]).last_push is not None and r.last_push[0] >= r.joined_at), default=None)
-        if latest is None:
-            return None
-        return offset(latest[1], self.cfg.sync_every, self.cfg.fragments) % self.cfg.sync_every + 1
+        would wait for a merge its peers never push towards, while they wait for it. The most advanced peer counts,
+        not the most recent push: a peer one fragment behind may push after the leader has opened the next round,
+        which does not wait for the joiner, and a joiner behind the leader would push that fragment alone, into a
+        round its peers reach only a period later. None: no live peer has pushed in its current session (the
+        schedule starts at its beginning)."""
+        H = self.cfg.sync_every
+        positions = [offset(r.last_push[1], H, self.cfg.fragments) % H + 1 for i in self.live() - {learner_id}
+                     if (r := self.learners[i]).last_push is not None and r.last_push[0] >= r.joined_at]
+        return leading_position(positions, H)
 
     def awaited(self, fs: FragmentState, live: frozenset[str]) -> frozenset[str]:
         """The live learners a round of `fs` waits for. In a synchronous mode, not those that joined after its first
