@@ -1,6 +1,7 @@
 """How fast the syncer merges contributions and makes a round durable, against this machine's own limits.
 
-- merge: GB/s of fp32 contributions folded into a round's running sums (StreamingMerge, RDA and mean), and of
+- merge: GB/s of fp32 contributions folded into a round's running sums (StreamingMerge: RDA with the mean
+  fallback, RDA with one running sum, mean), and of
   whole pushes through SyncerCore (int4 decoding, validation and folding), against memcpy GB/s measured in the
   same run (a tensor copy of the same size);
 - durability: seconds to write one round's state (Θ, momentum and the pending Δ of one fragment, fsynced, plus
@@ -33,11 +34,13 @@ from diloco.syncer.core import REUSED_FRAGMENTS, FragmentState, SyncerCore
 from diloco.syncer.store import StateStore
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, setup=None) -> float:
+    """Median wall time of `fn(setup())` (or `fn()`); `setup` runs outside the timing."""
     times = []
     for _ in range(repeats):
+        arg = setup() if setup else None
         started = time.perf_counter()
-        fn()
+        fn(arg) if setup else fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -50,13 +53,15 @@ def merge_figures(numel: int, learners: int, repeats: int) -> dict:
     out = {"numel": numel, "learners": learners, "memcpy_gb_per_s": gb / median_seconds(lambda: target.copy_(deltas[0]), repeats)}
     segments = [(numel // 2, False), (numel - numel // 2, False)]
     buffers = Buffers(REUSED_FRAGMENTS * numel * 4)  # as the core: RDA's second sum is reused round after round
-    for method in ("rda", "mean"):
-        def fold():
-            merge = StreamingMerge(segments, method, buffers)
-            for d in deltas:
+    # rda: the paper's, with the mean fallback (two running sums); rda_one_sum: --no-rda-mean-fallback
+    for name, method, fallback in (("rda", "rda", True), ("rda_one_sum", "rda", False), ("mean", "mean", True)):
+        def fold(first, method=method, fallback=fallback):
+            merge = StreamingMerge(segments, method, buffers, fallback)
+            merge.add(first, 1.0)  # taken over as the running sum, as a decoded push is
+            for d in deltas[1:]:
                 merge.add(d, 1.0)
             merge.result()
-        out[f"merge_{method}_gb_per_s"] = gb * learners / median_seconds(fold, repeats)
+        out[f"merge_{name}_gb_per_s"] = gb * learners / median_seconds(fold, repeats, setup=lambda: deltas[0].clone())
     # whole pushes: decode int4, validate, fold (what a push costs the core worker)
     specs = [TensorSpec("w", (numel,), "float32")]
     core = SyncerCore(SyncConfig(fragments=1, codec="int4", down_codec="int8", grace=0.0, quorum=learners))
@@ -71,7 +76,7 @@ def merge_figures(numel: int, learners: int, repeats: int) -> dict:
             assert core.push(f"l{i}", session, seq[0], 0, core.fragments[0].version, 24, 24 * 1024, payload).accepted
         core.poll(force=True)
     out["push_int4_gb_per_s"] = gb * learners / median_seconds(pushes, repeats)  # fp32 GB of contributions merged
-    for key in ("merge_rda_gb_per_s", "merge_mean_gb_per_s", "push_int4_gb_per_s"):
+    for key in ("merge_rda_gb_per_s", "merge_rda_one_sum_gb_per_s", "merge_mean_gb_per_s", "push_int4_gb_per_s"):
         out[key.replace("_gb_per_s", "_vs_memcpy")] = out[key] / out["memcpy_gb_per_s"]
     return out
 

@@ -104,33 +104,66 @@ def test_delayed_momentum_advances_once_per_full_share():
     assert share == 0.0 and v.item() == 0.5 and theta.item() == -0.75 and pending.item() == 0.0
 
 
-def stream(deltas, weights, segments, method):
-    acc = StreamingMerge(segments, method)
+def stream(deltas, weights, segments, method, mean_fallback=True, buffers=None):
+    acc = StreamingMerge(segments, method, buffers, mean_fallback)
     for d, w in zip(deltas, weights):
         acc.add(d.clone(), w)
     return acc.result()
 
 
+@pytest.mark.parametrize("mean_fallback", [True, False])
 @pytest.mark.parametrize("method", ["rda", "mean"])
 @pytest.mark.parametrize("weights", [[3e6, 1.0, 5e5, 2e5], [0.0, 2.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [7.0]])
-def test_streaming_merge_equals_the_stacked_merge(method, weights):
+def test_streaming_merge_equals_the_stacked_merge(method, weights, mean_fallback):
     g = torch.Generator().manual_seed(len(weights))
     segments = [(300, True), (1000, False), (7, False), (64, False)]
     deltas = [torch.randn(1371, generator=g) * (i + 1) for i in range(len(weights))]
     deltas[0][1307:] = 0.0  # a tensor that did not move in one contribution: unit(0) = 0
     expected = merge(deltas, weights, segments, method)
-    torch.testing.assert_close(stream(deltas, weights, segments, method), expected, rtol=1e-5, atol=1e-6)
+    got = stream(deltas, weights, segments, method, mean_fallback)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_streaming_merge_of_one_contribution_is_that_contribution_exactly():
+@pytest.mark.parametrize("mean_fallback", [True, False])
+def test_streaming_merge_of_one_contribution_is_that_contribution_exactly(mean_fallback):
     d = torch.randn(100)
-    assert torch.equal(stream([d], [5.0], [(50, True), (50, False)], "rda"), d)
+    assert torch.equal(stream([d], [5.0], [(50, True), (50, False)], "rda", mean_fallback), d)
 
 
 def test_streaming_merge_falls_back_to_the_mean_when_directions_cancel():
     d = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([0.5, 0.0, 0.0])]
     w = [1.0, 1.0, 1e-9]
-    torch.testing.assert_close(stream(d, w, [(3, False)], "rda"), merge(d, w, [(3, False)]), rtol=1e-5, atol=1e-7)
+    acc = StreamingMerge([(3, False)], "rda")
+    for x, wx in zip(d, w):
+        acc.add(x.clone(), wx)
+    torch.testing.assert_close(acc.result(), merge(d, w, [(3, False)]), rtol=1e-5, atol=1e-7)
+    assert acc.vanished == 1
+
+
+def test_without_the_mean_fallback_a_vanished_direction_merges_to_zero_with_one_running_sum():
+    class Counting:  # where RDA's second running sum would come from
+        taken = 0
+
+        def take(self, numel):
+            self.taken += 1
+            return torch.empty(numel)
+
+        def give(self, t):
+            pass
+
+    d = [torch.tensor([1.0, 2.0, 3.0, 4.0, 1.0]), torch.tensor([-1.0, -2.0, -3.0, 2.0, 3.0])]
+    segments = [(3, False), (2, True)]  # an RDA tensor whose directions cancel, then an embedding one
+    buffers = Counting()
+    acc = StreamingMerge(segments, "rda", buffers, mean_fallback=False)
+    for x in d:
+        acc.add(x.clone(), 1.0)
+    out = acc.result()
+    assert torch.equal(out[:3], torch.zeros(3)) and acc.vanished == 1  # unit(0) = 0, not the mean
+    torch.testing.assert_close(out[3:], torch.tensor([3.0, 2.0]))  # the embedding's weighted mean
+    assert buffers.taken == 0
+    buffers = Counting()
+    stream(d, [1.0, 1.0], segments, "rda", True, buffers)
+    assert buffers.taken == 1  # the paper's fallback keeps Σ w·Δ beside Σ w·unit(Δ)
 
 
 def test_streaming_merge_folds_in_chunks_and_takes_the_callers_norms(monkeypatch):

@@ -27,6 +27,9 @@ def test_the_paper_preset_turns_off_every_mechanism_marked_ours():
     assert for_mode("decoupled", 4, sync_every=12).grace_expect_steps == 12  # one cycle, whatever H
     assert for_mode("decoupled", 4, grace_expect_steps=0).grace_expect_steps == 0
     assert not default.align_pushes
+    # one running sum per open round: half the merge memory, 1.5× the merge speed, and the fallback it drops never
+    # ran in the measured runs (docs/results.md, "Syncer memory")
+    assert paper.rda_mean_fallback and not default.rda_mean_fallback
     assert not any(getattr(for_mode(m, 4), "keep_overlap") or for_mode(m, 4).grace_expect_steps
                    for m in ("diloco", "streaming"))  # the baselines stay the methods they reproduce
 

@@ -240,7 +240,25 @@ def test_a_learner_behind_gets_the_chain_of_changes_it_missed_then_full_values()
     arrivals = receivers["b"].drain(None)
     assert [(a.version, a.seq) for a in arrivals][-2:] == [(7, 0), (8, 3)]
     assert torch.equal(receivers["b"].held[1], core.fragments[1].values) and core.learners["a"].versions[1] == 7
-    assert len(core.fragments[1].changes) == 3  # 4 int8 changes would be larger than full values
+    # a holds 7 and b 8: only the change a misses is kept (4 int8 changes would be larger than full values anyway)
+    assert [w for w, _, _ in core.fragments[1].changes] == [8]
+
+
+def test_the_change_window_keeps_what_live_learners_miss_and_no_more():
+    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
+             TensorSpec("w2", (128,), "float32")]  # int8 changes of 640 values: about 1/4 of their fp32 size
+    core, clock = make_core(learners=2, specs=specs, grace=0.0, quorum=1, down_codec="int8")
+    sa, _ = core.join("a", specs), core.join("b", specs)
+    n, g = core.fragments[1].fragment.numel, torch.Generator().manual_seed(2)
+    for seq in range(1, 4):  # only a pushes: b, live, still holds version 0 and misses every change
+        core.push("a", sa, seq, 1, core.fragments[1].version, 2, 200, codec.encode(torch.randn(n, generator=g), "fp32"))
+        core.poll(force=True)
+    assert [w for w, _, _ in core.fragments[1].changes] == [1, 2, 3]
+    clock.now += core.cfg.absent_after_seconds + 1  # b is gone: on return it is sent full values
+    core.heartbeat("a", sa, step=4)
+    core.push("a", sa, 4, 1, core.fragments[1].version, 2, 200, codec.encode(torch.randn(n, generator=g), "fp32"))
+    core.poll(force=True)
+    assert [w for w, _, _ in core.fragments[1].changes] == []  # a holds version 4, the only live learner
 
 
 def test_a_chain_link_is_never_applied_as_an_answer():

@@ -45,9 +45,10 @@ def held_bytes(core) -> int:
     return total
 
 
-def peak_bytes(learners: int, rounds: int = 3, outer_momentum: float | None = None) -> int:
+def peak_bytes(learners: int, rounds: int = 3, outer_momentum: float | None = None,
+               rda_mean_fallback: bool | None = None) -> int:
     cfg = for_mode("decoupled", learners, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
-                   outer_momentum=outer_momentum)
+                   outer_momentum=outer_momentum, rda_mean_fallback=rda_mean_fallback)
     core = SyncerCore(cfg)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(learners)}
@@ -80,3 +81,9 @@ def test_syncer_memory_does_not_grow_with_the_number_of_learners():
     assert two < 5 * P * FRAGMENT_BYTES, two / (P * FRAGMENT_BYTES)
     with_momentum = peak_bytes(2, outer_momentum=0.9)
     assert 1.9 * P * FRAGMENT_BYTES < with_momentum - two < 2.1 * P * FRAGMENT_BYTES, (with_momentum - two) / (P * FRAGMENT_BYTES)
+
+
+def test_without_rdas_mean_fallback_an_open_round_keeps_one_running_sum():
+    # every fragment's round open with two contributions: Σ w·Δ beside Σ w·unit(Δ) is one model more
+    paper, ours = peak_bytes(2, rda_mean_fallback=True), peak_bytes(2, rda_mean_fallback=False)
+    assert 0.95 * P * FRAGMENT_BYTES < paper - ours < 1.05 * P * FRAGMENT_BYTES, (paper - ours) / (P * FRAGMENT_BYTES)

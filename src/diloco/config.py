@@ -16,7 +16,7 @@ PAPER = dict(
     keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
     delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, outer_lr=0.7,
     outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
-    grace=None, grace_gamma=0.5, grace_cap_steps=1.0,
+    grace=None, grace_gamma=0.5, grace_cap_steps=1.0, rda_mean_fallback=True,
 )
 """The published algorithm (DESIGN §3) exactly: every mechanism of this project off, DiLoCo's outer η/μ, Θ sent
 back in fp32. The mode still sets P, K, τ, the codec and the merge rule."""
@@ -64,6 +64,11 @@ class SyncConfig:
     """Carry each fragment's quantisation error into its next push (learner side)."""
     merge: str = "rda"
     """Merge rule for non-embedding tensors: rda (radial-directional averaging) or mean."""
+    rda_mean_fallback: bool = False
+    """Ours when off (on is the paper's). RDA falls back to the weighted mean where the contributions' mean direction
+    vanishes (DESIGN §3.4). Off, such a tensor merges to 0 (unit(0) = 0), and an open round keeps one running sum, Σ w·unit(Δ), instead
+    of two: half the memory of every round in flight and three memory streams per contribution instead of five
+    (docs/results.md). The fallback is rare: `diloco_rda_vanished_total` counts it."""
     scale_partial_rounds: bool = True
     """Ours (the paper takes a full outer step every round). Scale a round's merged Δ by the share of the expected tokens it carries (its tokens over those plus the
     typical contribution of each live learner missing from it). 1 when everyone contributes; with K = 1 and

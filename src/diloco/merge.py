@@ -87,15 +87,25 @@ class StreamingMerge:
 
     Speed: a contribution is read once for its norms (which the caller may pass in) and once more for both sums,
     a cache-sized chunk at a time; the first contribution becomes the running sum without a copy.
+
+    `mean_fallback=False` (ours, `SyncConfig.rda_mean_fallback`): RDA tensors keep Σ w·unit(Δ) alone, in the one
+    running sum, and a tensor whose mean direction vanishes merges to 0 (unit(0) = 0) instead of the weighted mean.
+    Half the memory of an open round, and three memory streams per contribution instead of five.
     """
 
-    def __init__(self, segments: list[tuple[int, bool]], method: str = "rda", buffers=None):
+    def __init__(self, segments: list[tuple[int, bool]], method: str = "rda", buffers=None,
+                 mean_fallback: bool = True):
         """`buffers`: where RDA's second running sum comes from and returns to (`syncer.buffers.Buffers`)."""
         if method not in ("rda", "mean"):
             raise ValueError(f"unknown merge method {method!r}; choose rda or mean")
         self.buffers = buffers
         self.segments = segments
         self.rda = [method == "rda" and not embedding for _, embedding in segments]
+        self.mean_fallback = mean_fallback
+        self.in_place = False
+        """Without the mean fallback, once a second contribution came: RDA tensors' part of `sum` is Σ r·unit(Δ)."""
+        self.vanished = 0
+        """RDA tensors whose mean direction vanished in `result` (merged as the mean, or as 0 without the fallback)."""
         self.count = 0
         self.base = 0.0
         """The weight others are taken relative to; 0 while no weight was positive."""
@@ -113,6 +123,7 @@ class StreamingMerge:
         if weight > 0 and self.base == 0.0:
             self.base = weight
             self.sum, self.units, self.total = None, None, 0.0  # zero-weight contributions so far count for nothing
+            self.in_place = False
         r = weight / self.base if self.base else 1.0
         if r == 0.0:
             return
@@ -121,6 +132,9 @@ class StreamingMerge:
             return
         if any(self.rda) and norms is None:
             norms = segment_norms(delta, self.segments)
+        if not self.mean_fallback:
+            self._add_in_place(delta, r, norms)
+            return
         if self.units is None and any(self.rda):
             self._start_units()
         self.total += r
@@ -139,36 +153,64 @@ class StreamingMerge:
                         self.units[at : at + chunk.numel()].add_(chunk, alpha=unit_scale)
             offset += numel
 
-    def _start_units(self) -> None:
-        """Σ r·unit(Δ) of the first contribution (its sum is r·Δ, r = total), written without zero-filling."""
+    def _add_in_place(self, delta: torch.Tensor, r: float, norms: list[float]) -> None:
+        """One running sum: Σ r·unit(Δ) on RDA tensors, Σ r·Δ on the others (no mean fallback)."""
+        if not self.in_place:
+            self.norms = self._units_of_first(self.sum)
+            self.in_place = True
+        self.total += r
+        offset = 0
+        for s, (numel, _) in enumerate(self.segments):
+            part, acc = delta[offset : offset + numel], self.sum[offset : offset + numel]
+            if not self.rda[s]:
+                acc.add_(part, alpha=r)
+            elif norms[s] > _EPS:  # unit(0) = 0
+                acc.add_(part, alpha=r / norms[s])
+                self.norms[s] += r * norms[s]
+            offset += numel
+
+    def _units_of_first(self, out: torch.Tensor) -> list[float]:
+        """Write Σ r·unit(Δ) of the first contribution (whose sum is r·Δ, r = total) into `out`'s RDA tensors;
+        returns Σ r·‖Δ‖ per tensor (0 on the others)."""
         first = self._first_norms or segment_norms(self.sum, self.segments)
-        numel = self.sum.numel()
-        self.units = self.buffers.take(numel) if self.buffers is not None else torch.empty(numel, dtype=self.sum.dtype)
-        self.norms = [0.0] * len(self.segments)
+        norms = [0.0] * len(self.segments)
         offset = 0
         for s, (numel, _) in enumerate(self.segments):
             if self.rda[s]:
-                units = self.units[offset : offset + numel]
+                units = out[offset : offset + numel]
                 norm = first[s] * self.total  # ‖r·Δ‖
                 if norm > _EPS:
                     torch.mul(self.sum[offset : offset + numel], self.total / norm, out=units)
-                    self.norms[s] = norm
+                    norms[s] = norm
                 else:
                     units.zero_()
             offset += numel
+        return norms
+
+    def _start_units(self) -> None:
+        """Σ r·unit(Δ) of the first contribution in a second sum, written without zero-filling."""
+        numel = self.sum.numel()
+        self.units = self.buffers.take(numel) if self.buffers is not None else torch.empty(numel, dtype=self.sum.dtype)
+        self.norms = self._units_of_first(self.units)
 
     def result(self) -> torch.Tensor:
         """The merged Δ (the running sums are reused for it: call once)."""
         if self.sum is None:
             raise ValueError("nothing to merge")
         out, offset = self.sum, 0
+        units = self.sum if self.in_place else self.units
         for s, (numel, _) in enumerate(self.segments):
             part = out[offset : offset + numel]
-            if self.units is not None and self.rda[s]:
-                direction = self.units[offset : offset + numel]  # total × the mean unit direction
+            if units is not None and self.rda[s]:
+                direction = units[offset : offset + numel]  # total × the mean unit direction
                 length = torch.linalg.vector_norm(direction).item() / self.total
-                if length > 1e-6:  # else the mean direction vanished: keep the weighted mean
+                if length > 1e-6:
                     torch.mul(direction, self.norms[s] / self.total / (length * self.total), out=part)
+                    offset += numel
+                    continue
+                self.vanished += 1  # the mean direction vanished: the weighted mean, or 0 without it
+                if self.in_place:
+                    part.zero_()
                     offset += numel
                     continue
             part.div_(self.total)  # exact for one contribution (÷ 1)

@@ -426,7 +426,7 @@ class SyncerCore:
             self._outbox.extend(rounds.close(self, fragment, fs, {"reason": "repeat"}))
         c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, arrived)
         if fs.merging is None:
-            fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers)
+            fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers, self.cfg.rda_mean_fallback)
         # the version cannot change while the round is open, so the weight is the one the round closes with
         fs.merging.add(delta, token_weight(*rounds.counted_as(c.tokens, c.steps, self.cfg), fs.version - base_version,
                                              self.cfg.staleness_decay), norms)

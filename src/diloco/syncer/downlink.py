@@ -48,6 +48,15 @@ def publish_change(fs, version: int, down_codec: str) -> None:
         fs.changes.popleft()
 
 
+def forget_held(fs, held: list[int]) -> None:
+    """Drop the changes every live learner already holds (`held`: the versions they hold of this fragment): they
+    would never be sent again, since a learner that returns after being absent, or joins, is sent what it misses
+    from its own version or full values. With every learner answered each round the window is one change long."""
+    floor = min(held, default=None)
+    while fs.changes and floor is not None and fs.changes[0][0] <= floor:
+        fs.changes.popleft()
+
+
 def checksum(fs) -> int:
     """CRC-32 of P_v, computed once per version."""
     if fs.checksum is None or fs.checksum[0] != fs.version:

@@ -60,6 +60,9 @@ class SyncerMetrics:
         self.quorum_seconds = Histogram(
             "diloco_round_quorum_seconds", "seconds from a round's first contribution to its quorum", registry=r,
             buckets=(0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0))
+        self.rda_vanished = Counter(
+            "diloco_rda_vanished", "RDA tensors whose contributions' mean direction vanished in a merge (merged as the "
+            "weighted mean, or as 0 with rda_mean_fallback off)", registry=r)
         self._reasons: set[str] = set()
 
     def observe_event(self, kind: str, fields: dict) -> None:
@@ -67,6 +70,7 @@ class SyncerMetrics:
         if kind != "round":
             return
         contributors = fields.get("contributors", [])
+        self.rda_vanished.inc(fields.get("rda_vanished", 0))
         self.round_contributors.observe(len(contributors))
         for c in contributors:
             self.staleness.observe(c["staleness"])

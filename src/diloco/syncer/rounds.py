@@ -41,6 +41,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     merging, fs.merging = fs.merging, None
     # ---- the arithmetic, without the lock
     delta = merging.result()
+    vanished = merging.vanished
     fs.reclaim()  # joins streaming the current values keep them as they are
     lossy = core.cfg.down_codec != "fp32"
     if lossy and fs.published is None:
@@ -86,7 +87,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         core.record_event("round", fragment=index, version=fs.version, share=round(share, 6),
                     open_seconds=None if opened_at is None else round(now - opened_at, 6),
                     quorum_seconds=None if opened_at is None or quorum_at is None else round(quorum_at - opened_at, 6),
-                    decision=decision,
+                    decision=decision, **({"rda_vanished": vanished} if vanished else {}),
                     contributors=[{"learner": c.learner, "steps": c.steps, "tokens": c.tokens,
                                    "at": None if c.arrived_at is None else round(c.arrived_at - core.started_at, 6),
                                    "staleness": fs.version - 1 - c.base_version,
@@ -103,6 +104,10 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     if core.cfg.publish_to == "live":  # DESIGN §3.4: to every live learner, unasked (seq 0) where it did not push
         others = sorted(core.live() - {c.learner for c in contributions})
         out += [pub for lid in others for pub in downlink.publications(core.learners[lid], index, fs, 0, full)]
+    if lossy:
+        with core.lock:
+            held = [v for i in core.live() if (v := core.learners[i].versions.get(index)) is not None]
+        downlink.forget_held(fs, held)
     seconds = time.monotonic() - started
     with core.lock:
         core.sync_avg.update(core.clock() - clock_started)
