@@ -95,4 +95,4 @@ def test_the_in_process_transport_works_with_a_cuda_model():
     for _ in range(8):
         train_step(model, optimizer)
         learner.step(64)
-    assert learner.applied >= 3 and all(fs.theta.device.type == "cpu" for fs in core.fragments)
+    assert learner.applied >= 3 and all(fs.outer_values().device.type == "cpu" for fs in core.fragments)

@@ -52,7 +52,7 @@ def test_one_learner_h1_unit_lr_no_momentum_is_plain_training_fixed_gradient():
         train_steps(model, opt, learner, [g])
         history.append(model.w.item())
     assert history == [0.75, 0.25, 1.25, 1.125]
-    assert local.core.fragments[0].theta.item() == 1.125 and local.core.fragments[0].version == 4
+    assert local.core.fragments[0].outer_values().item() == 1.125 and local.core.fragments[0].version == 4
 
 
 def tiny_net(seed=0):
@@ -118,7 +118,7 @@ def test_k_equals_m_p1_reproduces_synchronous_diloco_by_hand():
     opts = [torch.optim.SGD(m.parameters(), lr=0.25) for m in models]
     local = run_learners_in_threads(cfg, models, opts, [[1.0] * 6, [3.0] * 6])
     assert [m.w.item() for m in models] == [-1.5625, -1.5625]
-    assert local.core.fragments[0].theta.item() == -1.5625 and local.core.fragments[0].version == 3
+    assert local.core.fragments[0].outer_values().item() == -1.5625 and local.core.fragments[0].version == 3
 
 
 def reference_diloco(models, data, rounds, H, lr, mu, inner_lr):
@@ -294,7 +294,7 @@ def test_paper_preset_takes_a_full_outer_step_for_each_k1_partial_round(publish_
     theta2, momentum = (-0.946, 1.2) if publish_to == "live" else (-1.9435, 1.95)
     assert models[1].w.item() == pytest.approx(theta2, abs=1e-6)
     fs = local.core.fragments[0]
-    assert fs.version == 2 and fs.theta.item() == pytest.approx(theta2, abs=1e-6)
+    assert fs.version == 2 and fs.outer_values().item() == pytest.approx(theta2, abs=1e-6)
     assert fs.momentum.item() == pytest.approx(momentum, abs=1e-6)
     train_steps(models[0], opts[0], learners[0], [1.0])  # A's third step: no push due
     expected_a = theta2 if publish_to == "live" else 0.335 - 0.25
@@ -319,4 +319,4 @@ def test_a_3h_step_contribution_weighs_tokens_squared_over_steps_in_the_paper_pr
     w_a = 20**2 / 2
     w_b = weight_b * w_a
     expected = -(w_a * 1.0 + w_b * 2.0) / (w_a + w_b)  # Θ = 0 − η·Δ with η = 1, μ = 0
-    assert core.fragments[0].theta.item() == pytest.approx(expected, abs=1e-6)
+    assert core.fragments[0].outer_values().item() == pytest.approx(expected, abs=1e-6)

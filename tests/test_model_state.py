@@ -141,7 +141,7 @@ def test_a_bf16_model_pushes_against_an_fp32_base_and_trains():
         learner.step(16, loss=loss.item())
         losses.append(loss.item())
     assert all(s.base.dtype == torch.float32 for s in learner.slots)
-    assert all(fs.theta.dtype == torch.float32 for fs in core.fragments)
+    assert all(fs.outer_values().dtype == torch.float32 for fs in core.fragments)
     assert learner.applied >= 4 and losses[-1] < losses[0] - 0.5
     assert core.params()["1.weight"].dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in model.parameters())

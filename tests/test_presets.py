@@ -30,6 +30,7 @@ def test_the_paper_preset_turns_off_every_mechanism_marked_ours():
     # one running sum per open round: half the merge memory, 1.5× the merge speed, and the fallback it drops never
     # ran in the measured runs (docs/results.md, "Syncer memory")
     assert paper.rda_mean_fallback and not default.rda_mean_fallback
+    assert default.bf16_residual and not paper.bf16_residual  # half a model less syncer memory, same loss
     assert not any(getattr(for_mode(m, 4), "keep_overlap") or for_mode(m, 4).grace_expect_steps
                    for m in ("diloco", "streaming"))  # the baselines stay the methods they reproduce
 

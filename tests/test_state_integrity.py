@@ -155,7 +155,7 @@ def test_recovery_from_the_previous_generation(tmp_path):
     assert again.accepted and len(recovered.poll()) == 1
     restarted = make_core(tmp_path)
     assert restarted.restore() and restarted.fragments[1].version == recovered.fragments[1].version
-    assert torch.equal(restarted.fragments[1].theta, recovered.fragments[1].theta)
+    assert torch.equal(restarted.fragments[1].outer_values(), recovered.fragments[1].outer_values())
     # both generations damaged: nothing to offer but a new run
     for m in (manifest(tmp_path), manifest(tmp_path, PREVIOUS)):
         (tmp_path / m["files"]["ledger"]).write_text("{")
@@ -192,7 +192,7 @@ def test_a_full_state_directory_is_logged_shown_and_retried_without_losing_a_rou
     assert core.state_error is None
     restarted = make_core(tmp_path)
     assert restarted.restore() and restarted.fragments[1].version == 2
-    assert torch.equal(restarted.fragments[1].theta, core.fragments[1].theta)
+    assert torch.equal(restarted.fragments[1].outer_values(), core.fragments[1].outer_values())
 
 
 def _state_blocked(state: Path, generation: int):

@@ -88,7 +88,7 @@ def test_unknown_learner_stale_session_and_bad_fragment():
 def test_k1_round_waits_grace_then_merges_token_weighted():
     core, clock = make_core(grace=1.0, outer_lr=0.7, outer_momentum=0.9)
     sa, sb = core.join("a", SPECS), core.join("b", SPECS)
-    before = core.fragments[1].theta.clone()
+    before = core.fragments[1].outer_values().clone()
     assert push(core, "a", sa, 1, value=1.0, tokens=300, steps=3).accepted
     assert core.poll() == []  # quorum of 1 reached, grace open: b may still come
     assert core.next_wakeup() == pytest.approx(101.0)
@@ -99,7 +99,7 @@ def test_k1_round_waits_grace_then_merges_token_weighted():
     assert core.learners["a"].tokens_merged == pytest.approx(300 / 3)
     # equal directions and norms: RDA gives Δ = 1 everywhere, first Nesterov step moves by η(1 + μ)
     lr, mu = core.cfg.outer_lr, core.cfg.outer_momentum
-    assert torch.allclose(core.fragments[1].theta, before - lr * (1 + mu))
+    assert torch.allclose(core.fragments[1].outer_values(), before - lr * (1 + mu))
 
 
 def test_grace_window_end_closes_without_the_slow_learner():
@@ -158,11 +158,11 @@ def test_a_second_push_from_a_pending_learner_closes_the_round_first():
     core, _ = make_core(grace=100.0, outer_momentum=0.0, outer_lr=1.0, scale_partial_rounds=False)
     s = core.join("a", SPECS)
     core.join("b", SPECS)
-    before = core.fragments[1].theta.clone()
+    before = core.fragments[1].outer_values().clone()
     push(core, "a", s, 1, value=1.0, steps=2, tokens=200)
     s2 = core.join("a", SPECS)  # a restarted process: its first session's contribution is still pending
     push(core, "a", s2, 1, value=3.0, steps=4, tokens=400)
-    assert core.fragments[1].version == 1 and torch.allclose(core.fragments[1].theta, before - 1.0)
+    assert core.fragments[1].version == 1 and torch.allclose(core.fragments[1].outer_values(), before - 1.0)
     c = core.fragments[1].pending["a"]
     assert (c.session, c.steps, c.tokens, c.base_version) == (s2, 4, 400, 0)
     assert core.next_wakeup() == 100.0
@@ -170,7 +170,7 @@ def test_a_second_push_from_a_pending_learner_closes_the_round_first():
     assert [(p.learner, p.version, p.seq) for p in pubs] == [("a", 1, 1)] and core.fragments[1].pending
     assert core.learners["a"].merged_seq == {f"{s}:1": 1}
     core.poll(force=True)
-    assert torch.allclose(core.fragments[1].theta, before - 4.0) and core.fragments[1].version == 2
+    assert torch.allclose(core.fragments[1].outer_values(), before - 4.0) and core.fragments[1].version == 2
 
 
 def test_too_stale_contribution_is_refused_with_resync():
@@ -201,8 +201,32 @@ def test_downlink_changes_keep_learner_and_syncer_in_step(down):
             assert receiver.accept(pub)
     held = receiver.drain(None)[-1].values
     assert torch.equal(held, core.fragments[1].values) and core.learners["a"].versions[1] == 7
-    err = (held - core.fragments[1].theta).abs().max().item()
+    err = (held - core.fragments[1].outer_values()).abs().max().item()
     assert err == 0.0 if down == "fp32" else err < 0.5
+
+
+@pytest.mark.parametrize("down", ["int8", "int4"])
+def test_theta_kept_as_published_values_and_a_bf16_residual_tracks_the_fp32_theta(down):
+    # the same pushes into a core with Θ in fp32 and one with Θ = P + bf16 residual: the learners' values are
+    # the same change for change, and Θ differs by the residual's rounding alone
+    cores = [make_core(learners=1, grace=0.0, down_codec=down, bf16_residual=b)[0] for b in (False, True)]
+    sessions = [core.join("a", SPECS) for core in cores]
+    g = torch.Generator().manual_seed(4)
+    n = cores[0].fragments[1].fragment.numel
+    for seq in range(1, 30):
+        delta = codec.encode(torch.randn(n, generator=g) * 0.3, "fp32")
+        for core, s in zip(cores, sessions):
+            assert core.push("a", s, seq, 1, core.fragments[1].version, 2, 200, delta).accepted
+            core.poll()
+    exact, compact = cores[0].fragments[1], cores[1].fragments[1]
+    assert compact.theta is None and compact.residual.dtype == torch.bfloat16 and exact.residual is None
+    residual = compact.outer_values() - compact.values
+    assert residual.abs().max() > 0  # the last change's quantisation error
+    # the residual's bf16 rounding, 2^-9 of it per round at most, is all that separates the two Θ
+    gap = (compact.outer_values() - exact.outer_values()).abs().max().item()
+    assert gap <= 30 * 2 ** -8 * (exact.outer_values() - exact.values).abs().max().item() + 1e-6, gap
+    # what learners hold stays within one quantisation error of Θ, as with Θ in fp32
+    assert residual.abs().max() <= 2 * (exact.outer_values() - exact.values).abs().max()
 
 
 def test_a_learner_behind_gets_the_chain_of_changes_it_missed_then_full_values():
@@ -292,7 +316,7 @@ def test_join_resync_and_restart_send_the_published_values_in_full(tmp_path):
         push(core, "a", s, seq, value=0.3)
         core.poll()
     fs = core.fragments[1]
-    assert not torch.equal(fs.values, fs.theta)  # int4 changes: the learners hold P, not Θ
+    assert not torch.equal(fs.values, fs.outer_values())  # int4 changes: the learners hold P, not Θ
     core.join("b", SPECS)
     snapshot = dict((i, v) for i, _, v in core.snapshot_for_join("b"))
     assert torch.equal(snapshot[1], fs.values)
@@ -337,19 +361,19 @@ def test_budget_progress_is_the_larger_share_of_tokens_or_time_spent():
 def test_partial_round_is_scaled_by_its_share_of_expected_tokens():
     core, clock = make_core(learners=4, grace=0.0, outer_momentum=0.0, outer_lr=1.0)
     sessions = {x: core.join(x, SPECS) for x in "abcd"}
-    before = core.fragments[1].theta.clone()
+    before = core.fragments[1].outer_values().clone()
     push(core, "a", sessions["a"], 1, value=1.0, tokens=400)
     core.poll()  # a alone, three live learners missing with unknown typical size: share 1/4
-    assert torch.allclose(core.fragments[1].theta, before - 0.25)
+    assert torch.allclose(core.fragments[1].outer_values(), before - 0.25)
     for x in "bcd":
         push(core, x, sessions[x], 1, value=1.0, tokens=400)
     core.poll()  # b, c, d: share 3/4, so the two rounds together make exactly one full step
-    assert torch.allclose(core.fragments[1].theta, before - 1.0, atol=1e-6)
-    after = core.fragments[1].theta.clone()
+    assert torch.allclose(core.fragments[1].outer_values(), before - 1.0, atol=1e-6)
+    after = core.fragments[1].outer_values().clone()
     for seq, x in enumerate("abcd", start=2):
         push(core, x, sessions[x], seq, value=1.0, tokens=400)
     core.poll()  # everyone live in one round: no scaling
-    assert torch.allclose(core.fragments[1].theta, after - 1.0, atol=1e-6)
+    assert torch.allclose(core.fragments[1].outer_values(), after - 1.0, atol=1e-6)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -357,7 +381,7 @@ def test_outer_state_is_kept_only_when_momentum_can_move_theta(momentum):
     # μ = 0, decoupled mode's default: (delayed) Nesterov is Θ ← Θ − η·Δ, and neither v nor the pending Σ is held
     core, clock = make_core(learners=2, grace=0.0, outer_momentum=momentum, outer_lr=0.7)
     sessions = {x: core.join(x, SPECS) for x in "ab"}
-    theta = core.fragments[1].theta.clone()
+    theta = core.fragments[1].outer_values().clone()
     v, pending, pending_share = torch.zeros_like(theta), torch.zeros_like(theta), 0.0
     for seq, (who, value) in enumerate([("a", 1.0), ("b", 0.5), ("a", 0.25)], start=1):
         push(core, who, sessions[who], seq, value=value, tokens=400)
@@ -365,7 +389,7 @@ def test_outer_state_is_kept_only_when_momentum_can_move_theta(momentum):
         pending_share = delayed_nesterov_step(theta, torch.full_like(theta, value / 2), v, pending, 0.5,
                                               pending_share, 0.7, momentum)
     fs = core.fragments[1]
-    assert torch.equal(fs.theta, theta)
+    assert torch.equal(fs.outer_values(), theta)
     assert (fs.momentum.numel() == 0 and fs.pending_delta is None) == (momentum == 0.0)
 
 
@@ -375,21 +399,21 @@ def test_a_long_contribution_counts_as_h_steps_in_the_share():
     for x in "bcd":  # the others' typical contribution: 4 steps, 400 tokens
         push(core, x, sessions[x], 1, value=0.0, steps=4, tokens=400)
         core.poll()
-    before = core.fragments[1].theta.clone()
+    before = core.fragments[1].outer_values().clone()
     # a, cut off for 60 steps, returns with all of them from one old base: it counts as H = 6 steps (600 tokens)
     push(core, "a", sessions["a"], 1, value=1.0, steps=60, tokens=6000)
     core.poll()
-    assert torch.allclose(core.fragments[1].theta, before - 600 / (600 + 3 * 400), atol=1e-6)
+    assert torch.allclose(core.fragments[1].outer_values(), before - 600 / (600 + 3 * 400), atol=1e-6)
     assert core.learners["a"].tokens_merged == 6000 / 3  # all its work reached the model (per fragment of 3)
 
 
 def test_scaling_can_be_disabled():
     core, _ = make_core(learners=2, grace=0.0, outer_momentum=0.0, outer_lr=1.0, scale_partial_rounds=False)
     sa, _ = core.join("a", SPECS), core.join("b", SPECS)
-    before = core.fragments[1].theta.clone()
+    before = core.fragments[1].outer_values().clone()
     push(core, "a", sa, 1, value=1.0)
     core.poll()
-    assert torch.allclose(core.fragments[1].theta, before - 1.0, atol=1e-6)
+    assert torch.allclose(core.fragments[1].outer_values(), before - 1.0, atol=1e-6)
 
 
 def test_a_huge_first_push_is_refused_by_the_ceiling_relative_to_the_fragment():

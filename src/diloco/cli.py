@@ -17,7 +17,7 @@ SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_cod
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds",
-              "clamp_long_contributions", "publish_to", "rda_mean_fallback")
+              "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual")
 
 
 class UserError(Exception):
@@ -44,6 +44,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--rda-mean-fallback", action=argparse.BooleanOptionalAction, default=None,
                    help="merge as the weighted mean where RDA's mean direction vanishes (paper); --no-rda-mean-fallback "
                         "merges such a tensor to 0 and keeps one running sum per open round instead of two")
+    g.add_argument("--bf16-residual", action=argparse.BooleanOptionalAction, default=None,
+                   help="with a lossy --down-codec keep Θ as the published values plus a bf16 residual, half a model "
+                        "less syncer memory (default preset: on; paper: off, a second fp32 copy)")
     g.add_argument("--outer-lr", type=float, help="η of the Nesterov outer step (decoupled: 1; others: 0.7)")
     g.add_argument("--outer-momentum", type=float, help="μ of the Nesterov outer step (decoupled: 0; others: 0.9)")
     g.add_argument("--max-staleness", type=int, help="refuse contributions this many versions behind (16)")

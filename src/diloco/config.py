@@ -17,6 +17,7 @@ PAPER = dict(
     delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, outer_lr=0.7,
     outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
     grace=None, grace_gamma=0.5, grace_cap_steps=1.0, rda_mean_fallback=True,
+    bf16_residual=False,
 )
 """The published algorithm (DESIGN §3) exactly: every mechanism of this project off, DiLoCo's outer η/μ, Θ sent
 back in fp32. The mode still sets P, K, τ, the codec and the merge rule."""
@@ -97,6 +98,11 @@ class SyncConfig:
     apply (overwrite). Their steps and tokens then count toward the next push. Costs the learner what it needs to
     read the values at each push back: the pushed bf16 Δ (CPU, int4) or an fp32 snapshot, per fragment in flight,
     and the encoded changes that answer it until the apply."""
+    bf16_residual: bool = True
+    """Ours (the paper keeps Θ in fp32; with a down codec below fp32, so does off). Once a lossy downlink makes the
+    published values P differ from Θ, keep Θ as P + (Θ − P) in bf16 instead of a second fp32 copy: half a model
+    less syncer memory. Θ − P is the quantisation error of the last change sent, so the rounding this adds is
+    about 2^-9 of that error, a few hundred-thousandths of a change (docs/results.md, "Syncer memory")."""
     sync_buffers: bool = True
     """Average floating-point buffers (e.g. BatchNorm running statistics) across learners: each learner sends them
     with its push of fragment 0 (every H steps) and the syncer sets them to the token-weighted mean of what arrived.

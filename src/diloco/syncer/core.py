@@ -182,9 +182,9 @@ class SyncerCore:
         head) as a copy of the tensor it shares, so that `load_state_dict(strict=True)` takes it as it is."""
         out = {}
         for fs in self.owned:
-            offset = 0
+            offset, theta = 0, fs.outer_values()
             for s in fs.fragment.specs:
-                out[s.name] = fs.theta[offset : offset + s.numel].view(s.shape).to(getattr(torch, s.dtype)).clone()
+                out[s.name] = theta[offset : offset + s.numel].view(s.shape).to(getattr(torch, s.dtype)).clone()
                 offset += s.numel
         # a shard's model holds its own fragments' tensors (and aliases of them): the shards' files together are
         # the whole state_dict

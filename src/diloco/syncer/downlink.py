@@ -35,11 +35,14 @@ def tensor_checksum(x: torch.Tensor) -> int:
     return codec.checksum(x.contiguous().numpy())  # the bytes in place: no copy of the fragment
 
 
-def publish_change(fs, version: int, down_codec: str) -> None:
+def publish_change(fs, version: int, down_codec: str, theta: torch.Tensor) -> None:
     """P_v = P_{v−1} + decode(encode(Θ_v − P_{v−1})): the change every learner holding P_{v−1} applies, v being
-    `version` (the fragment's next). `fs` is the fragment's FragmentState."""
-    change = codec.encode_difference(fs.theta, fs.published, down_codec)
+    `version` (the fragment's next). `fs` is the fragment's FragmentState, `theta` Θ_v in fp32: with a bf16
+    residual (`SyncConfig.bf16_residual`) a temporary, overwritten here to keep Θ_v − P_v as the residual."""
+    change = codec.encode_difference(theta, fs.published, down_codec)
     codec.decode_add(change, fs.published)  # the same fp32 sum the learner's Receiver computes
+    if fs.residual is not None:
+        fs.residual.copy_(theta.sub_(fs.published))
     fs.checksum = (version, tensor_checksum(fs.published))
     fs.changes.append((version, change, fs.checksum[1]))
     # a chain is worth sending only while it is smaller than full values; older changes would never be sent

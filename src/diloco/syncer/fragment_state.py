@@ -29,7 +29,8 @@ class Contribution:
 @dataclass
 class FragmentState:
     fragment: Fragment
-    theta: torch.Tensor
+    theta: torch.Tensor | None
+    """Θ in fp32; None once Θ is kept as P + `residual` (`SyncConfig.bf16_residual`, `outer_values`)."""
     momentum: torch.Tensor
     version: int = 0
     pending_delta: torch.Tensor | None = None
@@ -49,6 +50,9 @@ class FragmentState:
     published: torch.Tensor | None = None
     """P_v, what every learner that received version v holds, kept only when a lossy down codec makes it differ
     from Θ (None: P_v is Θ)."""
+    residual: torch.Tensor | None = None
+    """Θ − P_v in bf16, with `published`: the quantisation error of the last change sent. Its rounding is below
+    2^-8 of an error that is itself a fraction of one change, far below the resolution of Θ in fp32."""
     changes: deque = field(default_factory=deque)
     """(w, encoded P_w − P_{w−1}, CRC-32 of P_w) for the latest versions w: chains for learners a few behind."""
     checksum: tuple[int, int] | None = None
@@ -61,6 +65,12 @@ class FragmentState:
     def values(self) -> torch.Tensor:
         """P_v: what a learner holding the current version holds."""
         return self.theta if self.published is None else self.published
+
+    def outer_values(self) -> torch.Tensor:
+        """Θ in fp32: the kept tensor, or P + residual (a new tensor)."""
+        if self.residual is None:
+            return self.theta
+        return self.published + self.residual
 
     def lend(self) -> torch.Tensor:
         """P_v for a reader outside the core worker: unchanged for as long as the reader holds it."""

@@ -58,7 +58,9 @@ def persist(core, changed) -> None:
             momentum = fs.momentum
         else:  # with μ = 0 neither ever moves Θ again: only Θ is written, a third of the bytes
             momentum = pending = EMPTY
-        tensors[i] = (fs.version, {"theta": fs.theta, "momentum": momentum, "pending_delta": pending})
+        # Θ made when its fragment is written (P + residual once they differ), not for every fragment at once
+        tensors[i] = (fs.version, lambda fs=fs, momentum=momentum, pending=pending:
+                      {"theta": fs.outer_values(), "momentum": momentum, "pending_delta": pending})
     try:
         core.store.save(ledger(core), tensors)
     except OSError as e:

@@ -44,27 +44,32 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     vanished = merging.vanished
     fs.reclaim()  # joins streaming the current values keep them as they are
     lossy = core.cfg.down_codec != "fp32"
-    if lossy and fs.published is None:
+    if lossy and fs.published is None and core.cfg.bf16_residual:  # P was Θ: from here Θ is P + a bf16 residual
+        fs.published, fs.theta = fs.theta, None
+        fs.residual = torch.zeros(fs.published.numel(), dtype=torch.bfloat16)
+    elif lossy and fs.published is None:
         fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
+    theta = fs.outer_values()  # Θ, stepped in place: the kept tensor, or P + residual made for this round
     if share < 1.0:
         delta.mul_(share)
     pending_share = fs.pending_share
     if not params:  # buffers: their token-weighted mean, Θ − mean(Θ_base − b_m), no outer optimizer
-        fs.theta.sub_(delta)
+        theta.sub_(delta)
     elif not core.cfg.keeps_outer_state:  # μ = 0: Nesterov, delayed or not, is Θ ← Θ − η·Δ
-        fs.theta.sub_(delta, alpha=core.cfg.outer_lr)
+        theta.sub_(delta, alpha=core.cfg.outer_lr)
     elif core.cfg.delayed_momentum:
         if fs.pending_delta is None:
-            fs.pending_delta = torch.zeros_like(fs.theta)
-        pending_share = delayed_nesterov_step(fs.theta, delta, fs.momentum, fs.pending_delta, share,
+            fs.pending_delta = torch.zeros_like(theta)
+        pending_share = delayed_nesterov_step(theta, delta, fs.momentum, fs.pending_delta, share,
                                               fs.pending_share, core.cfg.outer_lr, core.cfg.outer_momentum)
     else:
-        nesterov_step(fs.theta, delta, fs.momentum, core.cfg.outer_lr, core.cfg.outer_momentum)
+        nesterov_step(theta, delta, fs.momentum, core.cfg.outer_lr, core.cfg.outer_momentum)
     core.buffers.give(delta)  # the round's sum, used by nothing any more
     del delta, merging
     version = fs.version + 1
     if lossy:
-        downlink.publish_change(fs, version, core.cfg.down_codec)
+        downlink.publish_change(fs, version, core.cfg.down_codec, theta)
+    del theta
     # ---- the bookkeeping, under the lock
     with core.lock:
         fs.pending_share = pending_share

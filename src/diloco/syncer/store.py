@@ -93,14 +93,15 @@ class StateStore:
     def _manifest(self) -> dict:
         return {"generation": self.generation, "files": dict(self.files), "integrity": dict(self.integrity)}
 
-    def save(self, ledger: dict, fragments: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> None:
-        """Write the ledger and the given fragments ({index: (version, tensors)}), then switch the manifest.
-        Raises OSError (naming the path) when the folder cannot take them; the current state is then unchanged."""
+    def save(self, ledger: dict, fragments: dict[int, tuple[int, dict[str, torch.Tensor] | Callable]]) -> None:
+        """Write the ledger and the given fragments ({index: (version, tensors, or a function making them when
+        the fragment is written)}), then switch the manifest. Raises OSError (naming the path) when the folder
+        cannot take them; the current state is then unchanged."""
         generation = self.generation + 1
         files, integrity = dict(self.files), dict(self.integrity)
         for index, (version, tensors) in fragments.items():
             name = f"fragment-{index}-v{version}.safetensors"
-            integrity[name] = list(save_tensors(self.folder / name, tensors))
+            integrity[name] = list(save_tensors(self.folder / name, tensors() if callable(tensors) else tensors))
             files[f"fragment-{index}"] = name
         ledger_name = f"ledger-{generation}.json"
         integrity[ledger_name] = list(write_json(self.folder / ledger_name, ledger))
