@@ -10,6 +10,7 @@ from torch import nn
 
 from diloco import GrpcTransport, Learner, LocalSyncer, LocalTransport, ServerOptions, SyncerThread, for_mode
 from diloco.syncer.core import SyncerCore
+from diloco.syncer.server import save_model
 
 
 class Net(nn.Module):
@@ -93,7 +94,7 @@ def test_buffers_stay_local_when_syncing_them_is_off():
     assert all(s.fragment.role == "params" for s in la.slots)
 
 
-def test_a_tied_head_stays_tied_and_is_saved_under_both_names():
+def test_a_tied_head_stays_tied_and_is_saved_under_both_names(tmp_path):
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -123,6 +124,11 @@ def test_a_tied_head_stays_tied_and_is_saved_under_both_names():
     fresh = Tied()
     fresh.load_state_dict(saved, strict=True)
     assert fresh.lm_head.weight.data_ptr() == fresh.wte.weight.data_ptr()
+    # the syncer's file, written a fragment at a time, holds the same tensors and loads the same way
+    save_model(core, tmp_path / "model.safetensors", rounds=core.rounds)
+    written = load_file(tmp_path / "model.safetensors")
+    assert written.keys() == saved.keys() and all(torch.equal(written[k], v) for k, v in saved.items())
+    Tied().load_state_dict(written, strict=True)
 
 
 def test_a_bf16_model_pushes_against_an_fp32_base_and_trains():
@@ -180,3 +186,20 @@ def test_a_ddp_model_over_several_ranks_needs_the_process_group(monkeypatch, tmp
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+def test_the_model_file_is_written_from_the_published_values_and_residual_with_every_dtype(tmp_path):
+    # int8 down: Θ is P + a bf16 residual, made a fragment at a time as the file is written
+    core = SyncerCore(for_mode("decoupled", 1, fragments=2, sync_every=2, overlap=0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4).to(torch.bfloat16))
+    learner = Learner(model, LocalTransport(LocalSyncer(core)), "a")
+    for _ in range(6):
+        for p in model.parameters():
+            p.data.add_(0.01)
+        learner.step(8)
+    assert any(fs.residual is not None for fs in core.fragments)
+    save_model(core, tmp_path / "model.safetensors")
+    written, expected = load_file(tmp_path / "model.safetensors"), core.params()
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], v) for k, v in expected.items())
+    assert written["1.num_batches_tracked"].dtype == torch.int64 and written["2.weight"].dtype == torch.bfloat16

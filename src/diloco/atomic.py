@@ -10,10 +10,16 @@ import hashlib
 import json
 import os
 import re
+import struct
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
 
 HASH_CHUNK = 1 << 20
 
@@ -74,5 +80,40 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | 
     digest = file_digest(tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return digest
+
+
+def save_tensor_stream(path: Path, layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                       tensors: Iterable[torch.Tensor], metadata: dict | None = None) -> tuple[int, str]:
+    """A safetensors file written one tensor at a time: `layout` names each tensor's name, dtype and shape in the
+    order `tensors` yields them, so a caller can make each one as it is written (the syncer's model: one fragment
+    of Θ at a time) instead of holding all at once, as `save_file` needs. Readable by `safetensors.load_file`.
+    I/O failures raise OSError naming the path."""
+    header, offset = {}, 0
+    for name, dtype, shape in layout:
+        size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        written = 0
+        for (name, dtype, shape), t in zip(layout, tensors, strict=True):
+            t = t.detach().to("cpu", dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, the layout says {tuple(shape)}")
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # bf16 has no numpy type: its bytes
+            written += t.numel() * t.element_size()
+        if written != offset:
+            raise ValueError(f"wrote {written} bytes of tensors, the layout says {offset}")
+        f.flush()
+        os.fsync(f.fileno())
+    digest = file_digest(tmp)
     os.replace(tmp, path)
     return digest

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from diloco.atomic import save_tensors, write_json
+from diloco.atomic import save_tensor_stream, write_json
 from diloco.config import SyncConfig
 from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer.core import SyncerCore
@@ -121,7 +121,9 @@ def status_json(status: dict) -> bytes:
 
 
 def save_model(core: SyncerCore, path: Path, **metadata) -> None:
-    save_tensors(path, core.params(), metadata)
+    """The global model as one safetensors file, written a fragment at a time (no copy of the whole model)."""
+    layout, tensors = core.model_stream()
+    save_tensor_stream(path, layout, tensors, metadata)
 
 
 def health(core: SyncerCore) -> dict:
