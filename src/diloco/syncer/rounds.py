@@ -49,27 +49,32 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         fs.residual = torch.zeros(fs.published.numel(), dtype=torch.bfloat16)
     elif lossy and fs.published is None:
         fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
-    theta = fs.outer_values()  # Θ, stepped in place: the kept tensor, or P + residual made for this round
     if share < 1.0:
         delta.mul_(share)
     pending_share = fs.pending_share
-    if not params:  # buffers: their token-weighted mean, Θ − mean(Θ_base − b_m), no outer optimizer
-        theta.sub_(delta)
-    elif not core.cfg.keeps_outer_state:  # μ = 0: Nesterov, delayed or not, is Θ ← Θ − η·Δ
-        theta.sub_(delta, alpha=core.cfg.outer_lr)
+    # buffers take their token-weighted mean, Θ − mean(Θ_base − b_m), with no outer optimizer; with μ = 0
+    # Nesterov, delayed or not, is Θ ← Θ − η·Δ
+    plain = 1.0 if not params else None if core.cfg.keeps_outer_state else core.cfg.outer_lr
+    if plain is not None and fs.residual is not None:
+        # Θ = P + residual − η·Δ, made in the round's sum: no fragment-sized temporary beside it
+        theta = delta.mul_(-plain).add_(fs.published).add_(fs.residual)
+    elif plain is not None:
+        theta = fs.outer_values()
+        theta.sub_(delta, alpha=plain)
     elif core.cfg.delayed_momentum:
+        theta = fs.outer_values()  # the kept tensor, or P + residual made for this round
         if fs.pending_delta is None:
             fs.pending_delta = torch.zeros_like(theta)
         pending_share = delayed_nesterov_step(theta, delta, fs.momentum, fs.pending_delta, share,
                                               fs.pending_share, core.cfg.outer_lr, core.cfg.outer_momentum)
     else:
+        theta = fs.outer_values()
         nesterov_step(theta, delta, fs.momentum, core.cfg.outer_lr, core.cfg.outer_momentum)
-    core.buffers.give(delta)  # the round's sum, used by nothing any more
-    del delta, merging
     version = fs.version + 1
     if lossy:
         downlink.publish_change(fs, version, core.cfg.down_codec, theta)
-    del theta
+    core.buffers.give(delta)  # the round's sum (and Θ made in it), used by nothing any more
+    del delta, merging, theta
     # ---- the bookkeeping, under the lock
     with core.lock:
         fs.pending_share = pending_share
