@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from diloco import codec
 from diloco import merge as merge_module
 from diloco.merge import StreamingMerge, merge, rda, segment_norms, token_weight, weighted_mean
 from diloco.outer import nesterov_step
@@ -104,11 +105,31 @@ def test_delayed_momentum_advances_once_per_full_share():
     assert share == 0.0 and v.item() == 0.5 and theta.item() == -0.75 and pending.item() == 0.0
 
 
-def stream(deltas, weights, segments, method, mean_fallback=True, buffers=None):
+def stream(deltas, weights, segments, method, mean_fallback=True, buffers=None, encoded=None):
     acc = StreamingMerge(segments, method, buffers, mean_fallback)
     for d, w in zip(deltas, weights):
-        acc.add(d.clone(), w)
+        if encoded:  # as the syncer does: decoded from a payload, which is given along
+            payload = codec.encode(d, encoded)
+            acc.add(codec.decode(payload), w, payload=payload)
+        else:
+            acc.add(d.clone(), w)
     return acc.result()
+
+
+@pytest.mark.parametrize("weights", [[3e6, 1.0, 5e5], [0.0, 2.0, 1.0], [7.0]])
+def test_a_first_contribution_kept_encoded_merges_as_its_decoded_values(weights):
+    g = torch.Generator().manual_seed(5)
+    segments = [(300, True), (1000, False)]
+    deltas = [codec.decode(codec.encode(torch.randn(1300, generator=g), "int4")) for _ in weights]
+    expected = merge(deltas, weights, segments, "rda")
+    got = stream(deltas, weights, segments, "rda", False, encoded="int4")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    acc = StreamingMerge(segments, "rda", None, False)
+    payload = codec.encode(deltas[0], "int4")
+    decoded = codec.decode(payload)
+    acc.add(decoded, 1.0, payload=payload)
+    assert acc.sum is None and not acc.empty  # held as its int4 payload, not as fp32 values
+    assert torch.equal(acc.result(), deltas[0])
 
 
 @pytest.mark.parametrize("mean_fallback", [True, False])

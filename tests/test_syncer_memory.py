@@ -91,3 +91,17 @@ def test_without_rdas_mean_fallback_an_open_round_keeps_one_running_sum():
 def test_theta_as_published_values_and_a_bf16_residual_saves_half_a_model():
     fp32, bf16 = peak_bytes(2, bf16_residual=False), peak_bytes(2)
     assert 0.45 * P * FRAGMENT_BYTES < fp32 - bf16 < 0.55 * P * FRAGMENT_BYTES, (fp32 - bf16) / (P * FRAGMENT_BYTES)
+
+
+def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded():
+    cfg = for_mode("decoupled", 2, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0)
+    core = SyncerCore(cfg)
+    core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
+    sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(2)}
+    before = held_bytes(core)
+    payload = codec.encode(torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)) * 1e-3, "int4")
+    for p in range(P):  # every fragment's round opened by one learner, the other still to come
+        assert core.push("l0", sessions["l0"], 1, p, 0, P, 100 * P, payload).accepted
+    assert all(fs.pending for fs in core.fragments)
+    # the int4 payload (shared here) and at most one reused fp32 buffer, not P fragments of fp32 sums
+    assert held_bytes(core) - before <= len(payload.data) + FRAGMENT_BYTES

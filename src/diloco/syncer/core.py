@@ -450,8 +450,8 @@ class SyncerCore:
             fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers, self.cfg.rda_mean_fallback)
         # the version cannot change while the round is open, so the weight is the one the round closes with
         fs.merging.add(delta, token_weight(*rounds.counted_as(c.tokens, c.steps, self.cfg), fs.version - base_version,
-                                             self.cfg.staleness_decay), norms)
-        if fs.merging.sum is not delta:  # folded in (not kept as the round's first sum): free for the next push
+                                             self.cfg.staleness_decay), norms, payload)
+        if fs.merging.sum is not delta:  # folded in, or kept encoded as the round's first: free for the next push
             self.buffers.give(delta)
         with self.lock:
             fs.pending[learner_id] = c
