@@ -203,3 +203,24 @@ def test_the_model_file_is_written_from_the_published_values_and_residual_with_e
     written, expected = load_file(tmp_path / "model.safetensors"), core.params()
     assert written.keys() == expected.keys() and all(torch.equal(written[k], v) for k, v in expected.items())
     assert written["1.num_batches_tracked"].dtype == torch.int64 and written["2.weight"].dtype == torch.bfloat16
+
+
+def test_a_learner_lowers_the_thread_switch_interval_while_it_runs_and_restores_it():
+    import sys
+
+    from diloco.learner.learner import GIL_SWITCH_SECONDS
+
+    before = sys.getswitchinterval()
+    local = LocalSyncer(SyncerCore(for_mode("decoupled", 2, fragments=1, sync_every=2, overlap=0)))
+    a = Learner(nn.Linear(4, 4), LocalTransport(local), "a")
+    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_SECONDS)  # background threads yield the GIL sooner
+    b = Learner(nn.Linear(4, 4), LocalTransport(local), "b")
+    a.finish()
+    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_SECONDS)  # b still runs
+    b.close()
+    assert sys.getswitchinterval() == before
+    c = Learner(nn.Linear(4, 4), LocalTransport(local), "c", gil_switch_seconds=None)
+    assert sys.getswitchinterval() == before
+    c.finish()
+    with pytest.raises(ValueError, match="gil_switch_seconds"):
+        Learner(nn.Linear(4, 4), LocalTransport(local), "d", gil_switch_seconds=0)
