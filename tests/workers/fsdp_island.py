@@ -3,6 +3,7 @@
 It joins a run whose global model another learner set, checks that every rank's shards hold exactly those values,
 trains, and writes what it saw to argv[2] (rank 0)."""
 
+import gc
 import json
 import sys
 
@@ -48,6 +49,11 @@ def main(address: str, out: str, expected: str, steps: int = 24) -> None:
         with open(out, "w") as f:
             json.dump({"joined_exactly": joined_exactly, "pushes": learner.pushes, "applied": learner.applied,
                        "tokens": learner.tokens}, f)
+    # freed only at interpreter exit, the FSDP2 model and its optimizer took gloo down with them in about one run
+    # of five ("terminate called without an active exception", after the result was written); freed here, none of
+    # ten did (docs/architecture.md, Troubleshooting)
+    del learner, optimizer, model
+    gc.collect()
     dist.destroy_process_group()
 
 
