@@ -72,45 +72,36 @@ def peak_bytes(learners: int, rounds: int = 3, **overrides) -> int:
 
 
 def test_syncer_memory_does_not_grow_with_the_number_of_learners():
-    two, eight, sixteen = peak_bytes(2), peak_bytes(8), peak_bytes(16)
-    # before: a full fp32 copy of the model per learner plus one Δ per pending contribution (28 models more).
-    # Contributions wait as their int4 payloads until together they would outweigh an fp32 running sum: from there
-    # on (8 learners here) more learners add nothing, and fewer hold less
-    assert sixteen - eight < FRAGMENT_BYTES, (eight, sixteen)
-    assert two <= sixteen and sixteen - two < (16 - 2) * FRAGMENT_BYTES  # under a fragment per learner in flight
+    two, sixteen = peak_bytes(2), peak_bytes(16)
+    # before: a full fp32 copy of the model per learner plus one Δ per pending contribution (28 models more)
+    assert sixteen - two < FRAGMENT_BYTES, (two, sixteen)
     # P, Θ − P in bf16, the int8 changes some learner misses, the open rounds' sums (one per fragment) and the
     # reused buffers; with μ = 0, the decoupled default, no momentum or delayed-momentum sum (2 models more)
-    assert sixteen < 3.2 * P * FRAGMENT_BYTES, sixteen / (P * FRAGMENT_BYTES)
-    with_momentum = peak_bytes(16, outer_momentum=0.9)
-    assert 1.9 * P * FRAGMENT_BYTES < with_momentum - sixteen < 2.1 * P * FRAGMENT_BYTES, \
-        (with_momentum - sixteen) / (P * FRAGMENT_BYTES)
+    assert two < 3.2 * P * FRAGMENT_BYTES, two / (P * FRAGMENT_BYTES)
+    with_momentum = peak_bytes(2, outer_momentum=0.9)
+    assert 1.9 * P * FRAGMENT_BYTES < with_momentum - two < 2.1 * P * FRAGMENT_BYTES, (with_momentum - two) / (P * FRAGMENT_BYTES)
 
 
 def test_without_rdas_mean_fallback_an_open_round_keeps_one_running_sum():
     # every fragment's round open with two contributions: Σ w·Δ beside Σ w·unit(Δ) is one model more
-    paper, ours = peak_bytes(16, rda_mean_fallback=True), peak_bytes(16, rda_mean_fallback=False)
+    paper, ours = peak_bytes(2, rda_mean_fallback=True), peak_bytes(2, rda_mean_fallback=False)
     assert 0.95 * P * FRAGMENT_BYTES < paper - ours < 1.05 * P * FRAGMENT_BYTES, (paper - ours) / (P * FRAGMENT_BYTES)
 
 
 def test_theta_as_published_values_and_a_bf16_residual_saves_half_a_model():
-    fp32, bf16 = peak_bytes(16, bf16_residual=False), peak_bytes(16)
+    fp32, bf16 = peak_bytes(2, bf16_residual=False), peak_bytes(2)
     assert 0.45 * P * FRAGMENT_BYTES < fp32 - bf16 < 0.55 * P * FRAGMENT_BYTES, (fp32 - bf16) / (P * FRAGMENT_BYTES)
 
 
-def test_rounds_waiting_for_peers_hold_their_contributions_encoded():
-    cfg = for_mode("decoupled", 4, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0, quorum=4)
+def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded():
+    cfg = for_mode("decoupled", 2, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0)
     core = SyncerCore(cfg)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
-    sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(4)}
+    sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(2)}
     before = held_bytes(core)
-    g = torch.Generator().manual_seed(0)
-    payloads = {lid: codec.encode(torch.randn(NUMEL, generator=g) * 1e-3, "int4") for lid in sessions}
-    for p in range(P):  # every fragment's round has three of its four contributions
-        for lid in ("l0", "l1", "l2"):
-            assert core.push(lid, sessions[lid], 1, p, 0, P, 100 * P, payloads[lid]).accepted
-    assert all(len(fs.pending) == 3 for fs in core.fragments)
-    # the three int4 payloads (each shared by the rounds here) and at most one reused fp32 buffer, not P fp32 sums
-    assert held_bytes(core) - before <= 3 * len(payloads["l0"].data) + FRAGMENT_BYTES
-    for p in range(P):
-        assert core.push("l3", sessions["l3"], 1, p, 0, P, 100 * P, payloads["l3"]).accepted
-    assert len(core.poll()) == 4 * P and all(fs.version == 1 for fs in core.fragments)
+    payload = codec.encode(torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)) * 1e-3, "int4")
+    for p in range(P):  # every fragment's round opened by one learner, the other still to come
+        assert core.push("l0", sessions["l0"], 1, p, 0, P, 100 * P, payload).accepted
+    assert all(fs.pending for fs in core.fragments)
+    # the int4 payload (shared here) and at most one reused fp32 buffer, not P fragments of fp32 sums
+    assert held_bytes(core) - before <= len(payload.data) + FRAGMENT_BYTES

@@ -89,9 +89,9 @@ class StreamingMerge:
 
     Speed: a contribution is read once for its norms (which the caller may pass in) and once more for both sums,
     a cache-sized chunk at a time; the first contribution becomes the running sum without a copy. Memory: given the
-    payloads they were decoded from, contributions are kept encoded (int4: an eighth of their fp32 size) for as long
-    as together they are smaller than one fp32 sum, and decoded again and folded in when one more would not be or
-    the round closes: a round waiting for peers holds a fraction of a fragment.
+    payload it was decoded from, the first contribution is kept encoded (int4: an eighth of its fp32 size) and
+    decoded again only when a second one comes or the round closes; a round waiting for its second contributor,
+    the common case, then holds almost nothing.
 
     `mean_fallback=False` (ours, `SyncConfig.rda_mean_fallback`): RDA tensors keep Σ w·unit(Δ) alone, in the one
     running sum, and a tensor whose mean direction vanishes merges to 0 (unit(0) = 0) instead of the weighted mean.
@@ -120,37 +120,32 @@ class StreamingMerge:
         """Σ r·unit(Δ) on RDA tensors (other tensors' part of it is unused); made when a second contribution comes."""
         self.norms: list[float] = []
         self._first_norms: list[float] | None = None
-        self._waiting: list = []
-        """(payload, r, norms) of contributions kept encoded, while `sum` is None."""
+        self._first_payload = None
+        """The first contribution, still encoded (`sum` is None meanwhile)."""
 
     @property
     def empty(self) -> bool:
-        return self.sum is None and not self._waiting
+        return self.sum is None and self._first_payload is None
 
     def add(self, delta: torch.Tensor, weight: float, norms: list[float] | None = None, payload=None) -> None:
-        """Fold in one contribution; `delta` is taken over (not copied) when it is the first. Given `payload`, the
-        `codec.Encoded` it was decoded from, contributions are kept as their payloads for as long as together
-        they are smaller than the fp32 running sum would be, and `delta` is the caller's again (`sum is not
-        delta`). `norms`: its `segment_norms`, if the caller has them already."""
+        """Fold in one contribution; `delta` is taken over (not copied) when it is the first, unless `payload`, the
+        `codec.Encoded` it was decoded from, is smaller: then that is kept instead, and `delta` is the caller's
+        again (`sum is not delta`). `norms`: its `segment_norms`, if the caller has them already."""
         self.count += 1
         if weight > 0 and self.base == 0.0:
             self.base = weight
             self.sum, self.units, self.total = None, None, 0.0  # zero-weight contributions so far count for nothing
-            self.in_place, self._waiting = False, []
+            self.in_place, self._first_payload = False, None
         r = weight / self.base if self.base else 1.0
         if r == 0.0:
             return
-        if (self.sum is None and payload is not None and payload.codec != "fp32"
-                and sum(len(p.data) for p, _, _ in self._waiting) + len(payload.data) < 4 * payload.numel):
-            self._waiting.append((payload, r, norms))
+        if self.empty:  # kept as it is: one contribution merges to itself, with no rounding
+            if payload is not None and payload.codec != "fp32":
+                self._first_payload, self.total, self._first_norms = payload, r, norms
+            else:
+                self.sum, self.total, self._first_norms = delta, r, norms
             return
-        self._fold_waiting()
-        self._fold(delta, r, norms)
-
-    def _fold(self, delta: torch.Tensor, r: float, norms: list[float] | None) -> None:
-        if self.sum is None:  # kept as it is: one contribution merges to itself, with no rounding
-            self.sum, self.total, self._first_norms = delta, r, norms
-            return
+        self._decode_first()
         if any(self.rda) and norms is None:
             norms = segment_norms(delta, self.segments)
         if not self.mean_fallback:
@@ -174,15 +169,14 @@ class StreamingMerge:
                         self.units[at : at + chunk.numel()].add_(chunk, alpha=unit_scale)
             offset += numel
 
-    def _fold_waiting(self) -> None:
-        """Decode the contributions kept as payloads and fold them in, in their order of arrival."""
-        waiting, self._waiting = self._waiting, []
-        for payload, r, norms in waiting:
-            values = self.buffers.take(payload.numel) if self.buffers is not None else torch.empty(payload.numel)
-            decode(payload, values)
-            self._fold(values, r, norms)
-            if self.sum is not values and self.buffers is not None:
-                self.buffers.give(values)
+    def _decode_first(self) -> None:
+        """The first contribution as the running sum, decoded again from its payload if it was kept encoded."""
+        if self._first_payload is None:
+            return
+        numel = self._first_payload.numel
+        self.sum = self.buffers.take(numel) if self.buffers is not None else torch.empty(numel)
+        decode(self._first_payload, self.sum)
+        self._first_payload = None
 
     def _add_in_place(self, delta: torch.Tensor, r: float, norms: list[float]) -> None:
         """One running sum: Σ r·unit(Δ) on RDA tensors, Σ r·Δ on the others (no mean fallback)."""
@@ -226,7 +220,7 @@ class StreamingMerge:
 
     def result(self) -> torch.Tensor:
         """The merged Δ (the running sums are reused for it: call once)."""
-        self._fold_waiting()
+        self._decode_first()
         if self.sum is None:
             raise ValueError("nothing to merge")
         out, offset = self.sum, 0
