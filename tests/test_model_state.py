@@ -10,7 +10,7 @@ from torch import nn
 
 from diloco import GrpcTransport, Learner, LocalSyncer, LocalTransport, ServerOptions, SyncerThread, for_mode
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.server import save_model
+from diloco.syncer.model_file import save_model
 
 
 class Net(nn.Module):
@@ -208,7 +208,7 @@ def test_the_model_file_is_written_from_the_published_values_and_residual_with_e
 def test_a_learner_lowers_the_thread_switch_interval_while_it_runs_and_restores_it():
     import sys
 
-    from diloco.learner.learner import GIL_SWITCH_SECONDS
+    from diloco.learner.gil import GIL_SWITCH_SECONDS
 
     before = sys.getswitchinterval()
     local = LocalSyncer(SyncerCore(for_mode("decoupled", 2, fragments=1, sync_every=2, overlap=0)))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -20,6 +18,7 @@ from torch import nn
 
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, fit_fragments, full, gather, named_state, plan_fragments, scatter, tensor_specs
+from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restore_switch_interval
 from diloco.learner.island import Island
 from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, kept_progress, snapshot, to_device
 from diloco.learner.transport import Arrival, PushJob, Receiver, SyncerError, Transport
@@ -79,35 +78,6 @@ class InitialValues:
     def __iter__(self):
         for f in self.layout:
             yield gather(self.state, f)
-
-
-GIL_SWITCH_SECONDS = 0.0005
-"""Python's thread switch interval while a learner runs (Python's default is 5 ms). The sender and receiver
-threads run Python between their numpy and gRPC calls; the training thread, which needs the GIL between every two
-torch ops, then waited up to a whole interval each time. GPT-2 124M on CPU, one training thread: step-time
-overhead +7.0% with 5 ms, +3.0% with 0.5 ms (docs/results.md, "Learner overhead and memory")."""
-
-_switch = {"learners": 0, "before": None}
-_switch_lock = threading.Lock()
-
-
-def _lower_switch_interval(seconds: float) -> bool:
-    """Lower the process's switch interval to `seconds` for as long as some learner holds it; True if held."""
-    with _switch_lock:
-        if _switch["learners"] == 0:
-            if seconds >= sys.getswitchinterval():
-                return False
-            _switch["before"] = sys.getswitchinterval()
-            sys.setswitchinterval(seconds)
-        _switch["learners"] += 1
-        return True
-
-
-def _restore_switch_interval() -> None:
-    with _switch_lock:
-        _switch["learners"] -= 1
-        if _switch["learners"] == 0:
-            sys.setswitchinterval(_switch["before"])
 
 
 class Learner:
@@ -170,7 +140,7 @@ class Learner:
         self._progress: float | None = None
         self._finished = False
         # before the transport's threads start; given back when the learner is done
-        self._switch_held = gil_switch_seconds is not None and self.leader and _lower_switch_interval(gil_switch_seconds)
+        self._switch_held = gil_switch_seconds is not None and self.leader and lower_switch_interval(gil_switch_seconds)
         try:
             self._join(state)
         except BaseException:
@@ -180,7 +150,7 @@ class Learner:
     def _release_switch(self) -> None:
         if self._switch_held:
             self._switch_held = False
-            _restore_switch_interval()
+            restore_switch_interval()
 
     # ---- joining ------------------------------------------------------------------------------------------
     def _join(self, state: dict[str, torch.Tensor]) -> None:

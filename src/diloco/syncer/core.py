@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -190,27 +190,6 @@ class SyncerCore:
         # the whole state_dict
         return {s.name: out[s.alias_of].clone() if s.kind == "alias" else out[s.name] for s in self.specs or []
                 if (s.alias_of if s.kind == "alias" else s.name) in out}
-
-    def model_stream(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], Iterator[torch.Tensor]]:
-        """What `params` holds, as a layout (name, dtype, shape) and its tensors in that order, made a fragment at
-        a time: a file written from it (`atomic.save_tensor_stream`) costs one fragment of memory, not a model."""
-        aliases: dict[str, list[str]] = {}
-        for s in self.specs or []:
-            if s.kind == "alias":
-                aliases.setdefault(s.alias_of, []).append(s.name)
-        layout = [(name, getattr(torch, s.dtype), tuple(s.shape)) for fs in self.owned for s in fs.fragment.specs
-                  for name in (s.name, *aliases.get(s.name, ()))]
-
-        def tensors() -> Iterator[torch.Tensor]:
-            for fs in self.owned:
-                offset, theta = 0, fs.outer_values()
-                for s in fs.fragment.specs:
-                    t = theta[offset : offset + s.numel].view(s.shape).to(getattr(torch, s.dtype))
-                    for _ in (s.name, *aliases.get(s.name, ())):
-                        yield t
-                    offset += s.numel
-                del theta
-        return layout, tensors()
 
     @property
     def param_fragments(self) -> list["FragmentState"]:

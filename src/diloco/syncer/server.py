@@ -18,7 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from diloco.atomic import save_tensor_stream, write_json
+from diloco.atomic import write_json
+from diloco.syncer.model_file import save_model
 from diloco.config import SyncConfig
 from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer.core import SyncerCore
@@ -118,12 +119,6 @@ def http_authorized(client_host: str, authorization: str | None, tokens: list[st
 def status_json(status: dict) -> bytes:
     """/status as strict JSON: NaN and infinities become null, session ids (learners' credentials) are left out."""
     return json.dumps(json_safe(dict(status)), allow_nan=False).encode()
-
-
-def save_model(core: SyncerCore, path: Path, **metadata) -> None:
-    """The global model as one safetensors file, written a fragment at a time (no copy of the whole model)."""
-    layout, tensors = core.model_stream()
-    save_tensor_stream(path, layout, tensors, metadata)
 
 
 def health(core: SyncerCore) -> dict:
