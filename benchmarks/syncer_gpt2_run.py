@@ -115,6 +115,8 @@ class RssSampler:
 
     def __init__(self, pid: int, http_port: int):
         self.pid, self.http_port, self.samples, self.training_from = pid, http_port, [], None
+        self.parts = []
+        """The syncer's own account of its memory by part (/status "memory", refreshed every 0.5 s), per sample."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.started = time.monotonic()
@@ -124,7 +126,9 @@ class RssSampler:
         while not self._stop.wait(0.2):
             try:
                 self.samples.append((time.monotonic() - self.started, proc_status_bytes(self.pid, "VmRSS")))
-                if self.training_from is None and status(self.http_port).get("tokens_trained", 0) > 0:
+                now = status(self.http_port)
+                self.parts.append(now.get("memory", {}))
+                if self.training_from is None and now.get("tokens_trained", 0) > 0:
                     self.training_from = time.monotonic() - self.started
             except (OSError, ValueError):
                 pass
@@ -132,10 +136,15 @@ class RssSampler:
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join(5)
-        peak_at, peak = max(self.samples, key=lambda x: x[1], default=(None, 0))
+        at = max(range(len(self.samples)), key=lambda i: self.samples[i][1], default=None)
+        peak_at, peak = self.samples[at] if at is not None else (None, 0)
+        parts = self.parts[at] if at is not None and at < len(self.parts) else {}
         later = [rss for t, rss in self.samples if self.training_from is not None and t >= self.training_from + 10]
         series = [(round(t, 1), round(rss / 2**20)) for t, rss in self.samples[::5]]  # every second, MiB
         return {"rss_peak_sampled_bytes": peak, "rss_peak_at_seconds": peak_at, "rss_mib_series": series,
+                "memory_mib_at_sampled_peak": {k: round(v / 2**20) for k, v in parts.items()},
+                "memory_mib_series": [(round(t, 1), {k: round(v / 2**20) for k, v in p.items()})
+                                      for (t, _), p in list(zip(self.samples, self.parts))[::5]],
                 "training_from_seconds": self.training_from,
                 "rss_peak_from_10s_into_training_bytes": max(later, default=0)}
 

@@ -3,14 +3,16 @@
 Memory is measured deterministically: the bytes of every tensor storage and byte string reachable from the core."""
 
 from collections import deque
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 
 import torch
 
 from diloco import codec
 from diloco.config import for_mode
 from diloco.fragments import TensorSpec, plan_fragments
+from diloco.syncer import memory
 from diloco.syncer.core import SyncerCore
+from diloco.syncer.updates import UpdateQueue
 
 P, NUMEL = 6, 1 << 20
 FRAGMENT_BYTES = 4 * NUMEL
@@ -105,3 +107,36 @@ def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded
     assert all(fs.pending for fs in core.fragments)
     # the int4 payload (shared here) and at most one reused fp32 buffer, not P fragments of fp32 sums
     assert held_bytes(core) - before <= len(payload.data) + FRAGMENT_BYTES
+
+
+def test_the_memory_report_accounts_for_what_the_core_holds():
+    cfg = for_mode("decoupled", 3, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0)
+    core = SyncerCore(cfg)
+    core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
+    sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(3)}
+    g = torch.Generator().manual_seed(0)
+    seq = 0
+    for r in range(3):
+        seq += 1
+        for p in range(P):
+            for lid, session in list(sessions.items())[: 2 if r == 1 else 3]:  # l2 misses a round: a chain of two
+                payload = codec.encode(torch.randn(NUMEL, generator=g) * 1e-3, "int4")
+                assert core.push(lid, session, seq, p, core.fragments[p].version, P, 100 * P, payload).accepted
+        parts = memory.core_parts(core)
+        assert parts["open_rounds"] >= P * FRAGMENT_BYTES  # every round has a running sum
+        assert sum(parts.values()) == held_bytes(core), (parts, held_bytes(core))
+        publications = core.poll(force=True)
+        parts = memory.core_parts(core)
+        assert parts["open_rounds"] == 0 and (parts["changes"] > 0) == (r == 1)  # what l2 misses, then nothing
+        assert sum(parts.values()) == held_bytes(core), (parts, held_bytes(core))
+        if r == 1:
+            kept = publications
+    # answers waiting to be sent count only where the core no longer keeps them: full values, dropped changes
+    queue = UpdateQueue(100)
+    for pub in kept:  # changes the window no longer keeps
+        queue.put_nowait(pub)
+    full = codec.encode(core.fragments[0].values, "fp32")
+    queue.put_nowait(replace(kept[0], fragment=1, payload=full, full=True))
+    dropped = {id(pub.payload): len(pub.payload.data) for pub in kept if pub.fragment != 1}  # 1's: superseded
+    assert memory.queued_bytes([queue], memory.kept_change_ids(core)) == sum(dropped.values()) + len(full.data)
+    assert memory.queued_bytes([queue], {id(pub.payload) for pub in kept}) == len(full.data)

@@ -14,6 +14,7 @@ import torch
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
+from diloco.syncer import memory
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
@@ -117,4 +118,6 @@ def test_service_reports_queue_depth_loop_lag_and_merge_seconds():
     assert "diloco_core_queue_depth 0.0" in text
     assert "diloco_event_loop_lag_seconds_count" in text
     stats = service.stats()
-    assert set(stats) == {"core_queue", "loop_lag_seconds", "loop_lag_max_seconds"}
+    assert set(stats) == {"core_queue", "loop_lag_seconds", "loop_lag_max_seconds", "memory"}
+    assert set(stats["memory"]) == {*memory.PARTS, "rss"} and stats["memory"]["model"] > 0
+    assert "diloco_syncer_memory_bytes" not in text or "part=" in text

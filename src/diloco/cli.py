@@ -176,8 +176,11 @@ def cmd_replay(args) -> int:
 
 
 def cmd_syncer(args) -> int:
+    from diloco.allocator import limit_arenas
     from diloco.config import for_mode
     from diloco.syncer.server import ServerOptions, serve
+
+    limit_arenas()  # before any thread allocates (diloco.allocator)
 
     if args.sync_config:
         from diloco.config import SyncConfig, validate

@@ -63,6 +63,8 @@ class SyncerMetrics:
         self.rda_vanished = Counter(
             "diloco_rda_vanished", "RDA tensors whose contributions' mean direction vanished in a merge (merged as the "
             "weighted mean, or as 0 with rda_mean_fallback off)", registry=r)
+        self.memory = Gauge("diloco_syncer_memory_bytes", "bytes the syncer holds by part (docs/architecture.md, "
+                            "Syncer memory), and its resident set (part=rss)", ["part"], registry=r)
         self._reasons: set[str] = set()
 
     def observe_event(self, kind: str, fields: dict) -> None:
@@ -97,6 +99,8 @@ class SyncerMetrics:
         self.live.set(sum(1 for learner in status["learners"] if learner["state"] == "live"))
         self.tokens_trained.set(status["tokens_trained"])
         self.tokens_merged.set(status["tokens_merged"])
+        for part, size in status.get("memory", {}).items():
+            self.memory.labels(part).set(size)
 
     def wire_by_direction(self) -> dict[str, int]:
         """Bytes sent to and received from learners (the syncer's view), for /status."""

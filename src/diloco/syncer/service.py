@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from diloco import codec
+from diloco.syncer import memory
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
 from diloco.syncer.downlink import Publication
 from diloco.syncer.guard import ShuttingDown, guarded, short
@@ -111,7 +112,13 @@ class SyncerService(pb_grpc.SyncerServicer):
     def stats(self) -> dict:
         """The service's own figures for /status (beside SyncerCore.status)."""
         return {"core_queue": self.core_queue_depth(), "loop_lag_seconds": round(self.loop_lag["last"], 4),
-                "loop_lag_max_seconds": round(self.loop_lag["max"], 4)}
+                "loop_lag_max_seconds": round(self.loop_lag["max"], 4), "memory": self.memory()}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the syncer holds by part (`syncer.memory`), and its RSS."""
+        parts = memory.core_parts(self.core)
+        parts["queued_answers"] = memory.queued_bytes(self._queues.values(), memory.kept_change_ids(self.core))
+        return {**parts, "rss": memory.rss_bytes()}
 
     async def status(self) -> dict:
         """SyncerCore.status plus `stats`, without waiting for the core worker (a merge in progress)."""

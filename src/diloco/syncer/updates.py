@@ -41,3 +41,7 @@ class UpdateQueue:
 
     def qsize(self) -> int:
         return len(self._items)
+
+    def payloads(self) -> list:
+        """The encoded payloads waiting in this queue (for the memory report)."""
+        return [_publication(i).payload for i in list(self._items) if i is not None]

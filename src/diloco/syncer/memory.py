@@ -1,0 +1,58 @@
+"""What the syncer's memory holds, by part (docs/architecture.md, Syncer memory), for /status and /metrics.
+
+The parts are the terms of the memory formula, counted from the tensors and encoded payloads the core and the
+service hold at the moment of asking. The process's RSS minus their sum is the interpreter, libraries, gRPC's
+buffers and memory the allocator keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers")
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def core_parts(core) -> dict[str, int]:
+    """Bytes of each part the core holds. Read without the worker's cooperation: a round closing meanwhile may
+    be counted before or after, never in a way that raises."""
+    parts = dict.fromkeys(PARTS, 0)
+    for fs in list(core.fragments):
+        parts["model"] += _nbytes(fs.theta) + _nbytes(fs.published) + _nbytes(fs.residual)
+        parts["outer_state"] += _nbytes(fs.momentum) + _nbytes(fs.pending_delta)
+        parts["changes"] += sum(len(change.data) for _, change, _ in list(fs.changes))
+        merging = fs.merging
+        if merging is not None:
+            first = merging._first_payload
+            parts["open_rounds"] += _nbytes(merging.sum) + _nbytes(merging.units) + (0 if first is None else len(first.data))
+    parts["reused_buffers"] = core.buffers.kept_bytes
+    return parts
+
+
+def queued_bytes(queues, changes: set[int]) -> int:
+    """Bytes of the distinct payloads waiting in learners' update queues that the core no longer holds (full
+    values, or changes that left the window); `changes`: ids of the payloads the core still keeps."""
+    seen, total = set(changes), 0
+    for queue in list(queues):
+        for pub in queue.payloads():
+            if id(pub) not in seen:
+                seen.add(id(pub))
+                total += len(pub.data)
+    return total
+
+
+def kept_change_ids(core) -> set[int]:
+    return {id(change) for fs in list(core.fragments) for _, change, _ in list(fs.changes)}
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (0 where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
