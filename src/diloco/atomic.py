@@ -11,8 +11,9 @@ import json
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -84,12 +85,22 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | 
     return digest
 
 
+@dataclass(frozen=True)
+class Chunked:
+    """A tensor for `save_tensor_stream` given as flat pieces made while it is written (Θ = P + residual of a
+    syncer fragment, a piece at a time): it is never whole in memory."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: Callable[[], Iterable[torch.Tensor]]
+
+
 def save_tensor_stream(path: Path, layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                       tensors: Iterable[torch.Tensor], metadata: dict | None = None) -> tuple[int, str]:
+                       tensors: Iterable[torch.Tensor | Chunked], metadata: dict | None = None) -> tuple[int, str]:
     """A safetensors file written one tensor at a time: `layout` names each tensor's name, dtype and shape in the
     order `tensors` yields them, so a caller can make each one as it is written (the syncer's model: one fragment
-    of Θ at a time) instead of holding all at once, as `save_file` needs. Readable by `safetensors.load_file`.
-    I/O failures raise OSError naming the path."""
+    of Θ at a time) instead of holding all at once, as `save_file` needs; a `Chunked` one is written a piece at a
+    time. Hashed as it is written. Readable by `safetensors.load_file`. I/O failures raise OSError naming the path."""
     header, offset = {}, 0
     for name, dtype, shape in layout:
         size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
@@ -100,20 +111,38 @@ def save_tensor_stream(path: Path, layout: list[tuple[str, torch.dtype, tuple[in
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     tmp = path.with_name(path.name + ".tmp")
+    digest, size = hashlib.sha256(), 0
+
+    def write(f, data) -> None:
+        nonlocal size
+        f.write(data)
+        digest.update(data)
+        size += len(data)
+
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
+        write(f, struct.pack("<Q", len(encoded)))
+        write(f, encoded)
         written = 0
         for (name, dtype, shape), t in zip(layout, tensors, strict=True):
-            t = t.detach().to("cpu", dtype).contiguous()
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, the layout says {tuple(shape)}")
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # bf16 has no numpy type: its bytes
-            written += t.numel() * t.element_size()
+            if isinstance(t, Chunked):
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype}, the layout says {tuple(shape)} {dtype}")
+                pieces = t.pieces()
+            else:
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{name}: shape {tuple(t.shape)}, the layout says {tuple(shape)}")
+                pieces = [t]
+            expected, got = torch.Size(shape).numel(), 0
+            for piece in pieces:
+                piece = piece.detach().to("cpu", dtype).contiguous()
+                write(f, memoryview(piece.reshape(-1).view(torch.uint8).numpy()))  # bf16 has no numpy type: bytes
+                got += piece.numel()
+            if got != expected:
+                raise ValueError(f"{name}: {got} values written, the layout says {expected}")
+            written += got * torch.empty(0, dtype=dtype).element_size()
         if written != offset:
             raise ValueError(f"wrote {written} bytes of tensors, the layout says {offset}")
         f.flush()
         os.fsync(f.fileno())
-    digest = file_digest(tmp)
     os.replace(tmp, path)
-    return digest
+    return size, digest.hexdigest()

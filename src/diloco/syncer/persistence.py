@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from diloco.atomic import Chunked
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec, plan_fragments
 from diloco.syncer.ledger import LearnerRecord
@@ -37,6 +38,19 @@ def ledger(core) -> dict:
 
 
 EMPTY = torch.zeros(0)
+PIECE = 1 << 20
+"""Values of Θ made and written at a time when it is kept as P + residual (4 MB)."""
+
+
+def theta_pieces(fs) -> torch.Tensor | Chunked:
+    """Θ of a fragment to write: the kept tensor, or P + residual made a piece at a time as it is written (a whole
+    temporary of the embedding fragment was a third of GPT-2's transient peak)."""
+    if fs.residual is None:
+        return fs.theta
+    published, residual = fs.published, fs.residual
+    n = published.numel()
+    return Chunked((n,), torch.float32, lambda: (published[lo : lo + PIECE] + residual[lo : lo + PIECE]
+                                                  for lo in range(0, n, PIECE)))
 
 
 def persist(core, changed) -> None:
@@ -58,9 +72,7 @@ def persist(core, changed) -> None:
             momentum = fs.momentum
         else:  # with μ = 0 neither ever moves Θ again: only Θ is written, a third of the bytes
             momentum = pending = EMPTY
-        # Θ made when its fragment is written (P + residual once they differ), not for every fragment at once
-        tensors[i] = (fs.version, lambda fs=fs, momentum=momentum, pending=pending:
-                      {"theta": fs.outer_values(), "momentum": momentum, "pending_delta": pending})
+        tensors[i] = (fs.version, {"theta": theta_pieces(fs), "momentum": momentum, "pending_delta": pending})
     try:
         core.store.save(ledger(core), tensors)
     except OSError as e:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load as load_safetensors
 
-from diloco.atomic import fsync_dir, save_tensors, write_bytes, write_json
+from diloco.atomic import Chunked, fsync_dir, save_tensor_stream, write_bytes, write_json
 from diloco.codec import all_finite
 
 MANIFEST = "manifest.json"
@@ -67,6 +67,12 @@ def safe_name(name) -> bool:
             and not os.path.isabs(name))
 
 
+def save_fragment(path: Path, tensors: dict[str, torch.Tensor | Chunked]) -> tuple[int, str]:
+    """One fragment's file; a `Chunked` tensor (Θ as P + residual) is written a piece at a time, never whole."""
+    layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    return save_tensor_stream(path, layout, tensors.values())
+
+
 class StateStore:
     """Files under `folder`: manifest.json, manifest.prev.json, ledger-<n>.json, fragment-<p>-v<version>.safetensors."""
 
@@ -101,7 +107,7 @@ class StateStore:
         files, integrity = dict(self.files), dict(self.integrity)
         for index, (version, tensors) in fragments.items():
             name = f"fragment-{index}-v{version}.safetensors"
-            integrity[name] = list(save_tensors(self.folder / name, tensors() if callable(tensors) else tensors))
+            integrity[name] = list(save_fragment(self.folder / name, tensors() if callable(tensors) else tensors))
             files[f"fragment-{index}"] = name
         ledger_name = f"ledger-{generation}.json"
         integrity[ledger_name] = list(write_json(self.folder / ledger_name, ledger))
