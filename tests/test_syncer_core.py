@@ -657,8 +657,32 @@ def test_a_join_reads_lent_values_which_later_rounds_leave_alone(down):
     assert core.poll()
     assert all(torch.equal(values, b) for (_, _, values), b in zip(lent, before))  # the join still sends version 1
     fs = core.fragments[1]
-    assert fs.version == 2 and not torch.equal(fs.values, before[1]) and not fs.lent
+    assert fs.version == 2 and not torch.equal(fs.values, before[1]) and not fs.loans
     push(core, "a", s, 3)
     values = fs.values
     core.poll()
     assert fs.values is values  # nothing lent any more: rounds change the values in place again
+
+
+def test_values_a_join_gave_back_are_changed_in_place_by_the_next_round():
+    core, _ = make_core(learners=1, grace=0.0, down_codec="int8")
+    s = core.join("a", SPECS)
+    lent = core.snapshot_for_join("a", copy=False)
+    second = core.snapshot_for_join("a", copy=False)  # two joins streaming at once
+    for (i, _, values), (_, _, again) in zip(lent, second):
+        core.fragments[i].give_back(values)
+    fs = core.fragments[1]
+    values = fs.values
+    push(core, "a", s, 1)
+    core.poll()
+    assert fs.published is not values  # the second join still reads version 0: the round changed a copy
+    for i, _, values in second:
+        core.fragments[i].give_back(values)  # gives back values no longer the fragment's: nothing counted
+    assert fs.loans == 0
+    lent = core.snapshot_for_join("a", copy=False)
+    for i, _, values in lent:
+        core.fragments[i].give_back(values)
+    values = fs.values
+    push(core, "a", s, 2)
+    core.poll()
+    assert fs.values is values  # given back before the round: no copy of the fragment

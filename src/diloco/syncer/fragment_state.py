@@ -3,6 +3,7 @@ round and published copy."""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -57,9 +58,10 @@ class FragmentState:
     """(w, encoded P_w − P_{w−1}, CRC-32 of P_w) for the latest versions w: chains for learners a few behind."""
     checksum: tuple[int, int] | None = None
     """(version, CRC-32 of P_version), computed once per version."""
-    lent: bool = False
-    """`values` were handed to joins without a copy (they send them while rounds go on): the next round writes a
-    copy instead of changing them in place (`reclaim`)."""
+    loans: int = 0
+    """Readers outside the core worker holding `values` (joins sending them while rounds go on): while any does,
+    the next round writes a copy instead of changing them in place (`reclaim`)."""
+    _loan_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def values(self) -> torch.Tensor:
@@ -73,16 +75,25 @@ class FragmentState:
         return self.published + self.residual
 
     def lend(self) -> torch.Tensor:
-        """P_v for a reader outside the core worker: unchanged for as long as the reader holds it."""
-        self.lent = True
-        return self.values
+        """P_v for a reader outside the core worker: unchanged until the reader gives it back (`give_back`)."""
+        with self._loan_lock:
+            self.loans += 1
+            return self.values
+
+    def give_back(self, values: torch.Tensor) -> None:
+        """A reader is done with `values` from `lend` (any thread). Values a round has replaced since are no
+        longer the fragment's: nothing to count then."""
+        with self._loan_lock:
+            if values is self.values and self.loans > 0:
+                self.loans -= 1
 
     def reclaim(self) -> None:
         """Before a round changes the values: leave lent ones to their readers and change a copy (copy on write),
         so a join costs no copy of the model unless rounds of its fragments close while it streams."""
-        if self.lent:
-            if self.published is None:
-                self.theta = self.theta.clone()
-            else:
-                self.published = self.published.clone()
-            self.lent = False
+        with self._loan_lock:
+            if self.loans:
+                if self.published is None:
+                    self.theta = self.theta.clone()
+                else:
+                    self.published = self.published.clone()
+                self.loans = 0

@@ -280,14 +280,20 @@ class SyncerService(pb_grpc.SyncerServicer):
         header = pb.JoinHeader(session=session, config_json=self.core.cfg.to_json(), fragments=len(snapshot),
                                data_position=record.data_position, total_bytes=total,
                                start_position=record.start_position)
-        yield self._count_out(pb.JoinReply(header=header))
-        while snapshot:  # each fragment is let go once sent: a join holds at most the values rounds replaced meanwhile
-            index, version, values = snapshot.pop(0)
-            encoded = await asyncio.to_thread(codec.view_fp32, values)  # its checksum, off the loop; no copy
-            del values
-            for blob in blobs(index, version, encoded):
-                yield self._count_out(pb.JoinReply(blob=blob))
-            del encoded
+        try:
+            yield self._count_out(pb.JoinReply(header=header))
+            while snapshot:  # each fragment given back once sent: a join holds at most what rounds replaced meanwhile
+                index, version, values = snapshot[0]
+                encoded = await asyncio.to_thread(codec.view_fp32, values)  # its checksum, off the loop; no copy
+                for blob in blobs(index, version, encoded):
+                    yield self._count_out(pb.JoinReply(blob=blob))
+                del encoded
+                snapshot.pop(0)
+                self.core.fragments[index].give_back(values)
+                del values
+        finally:  # a join cut short gives back what it did not send
+            for index, _, values in snapshot:
+                self.core.fragments[index].give_back(values)
         self.wake.set()
 
     @guarded
