@@ -127,7 +127,7 @@ class RssSampler:
             try:
                 self.samples.append((time.monotonic() - self.started, proc_status_bytes(self.pid, "VmRSS")))
                 now = status(self.http_port)
-                self.parts.append(now.get("memory", {}))
+                self.parts.append({**now.get("memory", {}), "full_answer_count": now.get("full_answers", {}).get("count", 0)})
                 if self.training_from is None and now.get("tokens_trained", 0) > 0:
                     self.training_from = time.monotonic() - self.started
             except (OSError, ValueError):
@@ -142,8 +142,8 @@ class RssSampler:
         later = [rss for t, rss in self.samples if self.training_from is not None and t >= self.training_from + 10]
         series = [(round(t, 1), round(rss / 2**20)) for t, rss in self.samples[::5]]  # every second, MiB
         return {"rss_peak_sampled_bytes": peak, "rss_peak_at_seconds": peak_at, "rss_mib_series": series,
-                "memory_mib_at_sampled_peak": {k: round(v / 2**20) for k, v in parts.items()},
-                "memory_mib_series": [(round(t, 1), {k: round(v / 2**20) for k, v in p.items()})
+                "memory_mib_at_sampled_peak": {k: v if k.endswith("count") else round(v / 2**20) for k, v in parts.items()},
+                "memory_mib_series": [(round(t, 1), {k: v if k.endswith("count") else round(v / 2**20) for k, v in p.items()})
                                       for (t, _), p in list(zip(self.samples, self.parts))[::5]],
                 "training_from_seconds": self.training_from,
                 "rss_peak_from_10s_into_training_bytes": max(later, default=0)}
@@ -200,6 +200,7 @@ def main() -> None:
         "heartbeat_p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))], "heartbeat_max_ms": 1e3 * lat[-1],
         "syncer_loop_lag_max_ms": 1e3 * final.get("loop_lag_max_seconds", 0.0),
         "merge_seconds_max": final.get("merge_seconds", {}).get("max"), "rounds": final.get("rounds"),
+        "full_answers": final.get("full_answers"),
         "per_learner": sorted(results, key=lambda r: r["learner"]),
     }
     print(json.dumps(result, indent=1))

@@ -256,8 +256,10 @@ def test_a_learner_behind_gets_the_chain_of_changes_it_missed_then_full_values()
     assert [(p.version, p.full, p.seq) for p in pubs] == [(3, False, 2)]
     for seq in (2, 3):
         round_of("a", sa, seq + 1)  # b falls 4 behind: longer than a chain smaller than full fp32 values
+    assert core.full_answers == {"count": 0, "bytes": 0}
     pubs = round_of("b", sb, 2)
     assert [(p.version, p.full, p.seq) for p in pubs] == [(6, True, 2)]
+    assert core.status()["full_answers"] == {"count": 1, "bytes": 4 * n}  # counted: each costs 4 bytes a value
     round_of("a", sa, 5)
     pubs = round_of("b", sb, 3)  # two behind: two int8 changes, only the last one is the answer
     assert [(p.version, p.full, p.seq) for p in pubs] == [(7, False, 0), (8, False, 3)]

@@ -108,6 +108,10 @@ class SyncerCore:
         Held only briefly and never while acquiring anything else."""
         self.merge_stats = {"count": 0, "total": 0.0, "last": 0.0, "max": 0.0}
         """Seconds of closed rounds (merge, outer step, encoding, persisting: `rounds.close`)."""
+        self.full_answers = {"count": 0, "bytes": 0}
+        """Answers and resyncs sent as full fp32 values (the learner held a version the change window no longer
+        reaches), and their payload bytes: each costs the syncer a fragment-sized encoding and the link 4 bytes a
+        value."""
         self.tape = None
         """The event tape (syncer/tape.py) rounds, joins, leaves, refusals and expiries are recorded on, if any."""
         self.on_event: Callable[[str, dict], None] | None = None
@@ -482,8 +486,11 @@ class SyncerCore:
         record = self._record(learner_id, session)
         fs = self.fragments[fragment]
         record.versions[fragment] = fs.version
-        return Publication(learner_id, fragment, fs.version, codec.encode(fs.values, "fp32"), True,
-                           downlink.checksum(fs), seq)
+        payload = codec.encode(fs.values, "fp32")
+        with self.lock:
+            self.full_answers["count"] += 1
+            self.full_answers["bytes"] += len(payload.data)
+        return Publication(learner_id, fragment, fs.version, payload, True, downlink.checksum(fs), seq)
 
     def poll(self, force: bool = False) -> list[Publication]:
         """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom. Worker
@@ -585,6 +592,7 @@ class SyncerCore:
                 "averages": vars(self.averages()),
                 "refusals": dict(self.refusals),
                 "merge_seconds": dict(self.merge_stats),
+                "full_answers": dict(self.full_answers),
                 "learners": [r.summary(now, self.cfg.absent_after_seconds) for r in self.learners.values()],
                 "recent_rounds": list(self.recent_rounds),
                 "budget_progress": self.budget_progress(),
