@@ -2,8 +2,7 @@
 
 A large tensor allocated afresh is mapped from the operating system and page-faults on its first write: about
 2 GB/s here, against 10+ GB/s for memory written before. Without reuse that was a third of an RDA merge's time
-(`benchmarks/syncer_throughput.py`). At most `limit_bytes` of free buffers are kept, the largest first; the rest
-is released.
+(`benchmarks/syncer_throughput.py`). At most `limit_bytes` of free buffers are kept; the rest is released.
 """
 
 from __future__ import annotations
@@ -39,16 +38,6 @@ class Buffers:
             return
         size = t.numel() * 4
         with self._lock:
-            # smaller buffers make room for a larger one: it is the costliest to fault in afresh, and a pool full of
-            # small ones let every large decode take fresh memory beside them (GPT-2's 150 MiB embedding fragment
-            # beside 144 MiB of 16 MiB buffers at the syncer's peak)
-            smaller = sorted(n for n, free in self._free.items() for _ in free if n * 4 < size)
-            if self._kept - 4 * sum(smaller) + size > self.limit_bytes:
-                return
-            for n in smaller:
-                if self._kept + size <= self.limit_bytes:
-                    break
-                self._free[n].pop()
-                self._kept -= n * 4
-            self._free.setdefault(t.numel(), []).append(t)
-            self._kept += size
+            if self._kept + size <= self.limit_bytes:
+                self._free.setdefault(t.numel(), []).append(t)
+                self._kept += size
