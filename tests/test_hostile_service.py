@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 import torch
+import zstandard
 from torch import nn
 
 from diloco import codec
@@ -294,6 +295,28 @@ def test_absurd_push_counters_are_refused(syncer, field, value, message):
     code, details = code_of(lambda: stub(syncer.address).Push(
         iter([pb.PushChunk(header=header), pb.PushChunk(data=bytes(payload.data))]), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details
+
+
+def test_compressed_pushes_that_lie_are_refused_naming_what_was_wrong(syncer):
+    session = raw_join(syncer.address, "m")
+    payload = codec.encode(torch.randn(NUMEL[1]), "int8")
+
+    def push(data, **fields):
+        header, _ = push_header("m", session, payload=payload, total_bytes=len(data), **fields)
+        return code_of(lambda: stub(syncer.address).Push(
+            iter([pb.PushChunk(header=header), pb.PushChunk(data=data)]), timeout=10))
+
+    code, details = push(bytes(payload.data), compression="lz4")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "push compression 'lz4' is unknown" in details
+    code, details = push(b"\x28\xb5\x2f\xfd garbage", compression="zstd")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not decompress" in details
+    bomb = zstandard.ZstdCompressor().compress(bytes(1 << 24))  # 16 MB of zeros claimed as 20 values
+    code, details = push(bomb, compression="zstd")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fragment 1" in details
+    code, details = push(zstandard.ZstdCompressor().compress(bytes(payload.data)), compression="zstd", numel=10**9)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT  # a size that would make a gigabyte is refused up front
+    code, _ = push(zstandard.ZstdCompressor().compress(bytes(payload.data)), compression="zstd")
+    assert code == grpc.StatusCode.OK  # and an honest one is taken
 
 
 def test_heartbeat_bounds_and_later_heartbeats_still_work(syncer):

@@ -199,3 +199,37 @@ def test_streaming_merge_folds_in_chunks_and_takes_the_callers_norms(monkeypatch
         acc.add(d.clone(), w, norms=segment_norms(d, segments))
     torch.testing.assert_close(acc.result(), merge(deltas, weights, segments, "rda"), rtol=1e-5, atol=1e-6)
     assert segment_norms(deltas[1], segments)[2] == 0.0
+
+
+@pytest.mark.parametrize("first_norms_given", [True, False])
+def test_a_second_contribution_becomes_the_sum_while_the_first_is_decoded_into_it(monkeypatch, first_norms_given):
+    monkeypatch.setattr(codec, "CHUNK_BLOCKS", 3)  # decode chunks of 192 values: they straddle the tensors
+    g = torch.Generator().manual_seed(11)
+    segments = [(300, True), (1000, False), (70, True), (64, True)]
+    deltas = [torch.randn(1434, generator=g) for _ in range(3)]
+    deltas[0][1300:1370] = 0.0  # unit(0) = 0 in the first contribution, then in the second
+    deltas[1][1370:] = 0.0
+    weights = [2.0, 5.0, 1.0]
+
+    class Counting:
+        taken = 0
+
+        def take(self, numel):
+            self.taken += 1
+            return torch.empty(numel)
+
+        def give(self, t):
+            pass
+
+    buffers, merged = Counting(), []
+    acc = StreamingMerge(segments, "rda", buffers, mean_fallback=False)
+    for i, (d, w) in enumerate(zip(deltas, weights)):
+        payload = codec.encode(d, "int4")
+        decoded = codec.decode(payload)
+        merged.append(decoded.clone())
+        norms = segment_norms(decoded, segments) if first_norms_given or i else None
+        acc.add(decoded, w, norms, payload=payload)
+        if i == 1:
+            assert acc.sum is decoded  # the second's buffer is the round's one sum
+    assert buffers.taken == 0  # no buffer for the first contribution's decode
+    torch.testing.assert_close(acc.result(), merge(merged, weights, segments, "rda"), rtol=1e-5, atol=1e-6)

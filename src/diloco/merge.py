@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.codec import decode
+from diloco.codec import decode, decoded_chunks
 
 _EPS = 1e-12
 
@@ -90,8 +90,9 @@ class StreamingMerge:
     Speed: a contribution is read once for its norms (which the caller may pass in) and once more for both sums,
     a cache-sized chunk at a time; the first contribution becomes the running sum without a copy. Memory: given the
     payload it was decoded from, the first contribution is kept encoded (int4: an eighth of its fp32 size) and
-    decoded again only when a second one comes or the round closes; a round waiting for its second contributor,
-    the common case, then holds almost nothing.
+    decoded again only when the round closes, or, without the mean fallback, a chunk at a time into the second
+    contribution's buffer, which becomes the round's one sum; a round waiting for its second contributor, the common
+    case, then holds almost nothing, and one with two holds one fragment-sized buffer, not two.
 
     `mean_fallback=False` (ours, `SyncConfig.rda_mean_fallback`): RDA tensors keep Σ w·unit(Δ) alone, in the one
     running sum, and a tensor whose mean direction vanishes merges to 0 (unit(0) = 0) instead of the weighted mean.
@@ -145,9 +146,12 @@ class StreamingMerge:
             else:
                 self.sum, self.total, self._first_norms = delta, r, norms
             return
-        self._decode_first()
         if any(self.rda) and norms is None:
             norms = segment_norms(delta, self.segments)
+        if self._first_payload is not None and not self.mean_fallback:
+            self._second_in_place(delta, r, norms)
+            return
+        self._decode_first()
         if not self.mean_fallback:
             self._add_in_place(delta, r, norms)
             return
@@ -177,6 +181,47 @@ class StreamingMerge:
         self.sum = self.buffers.take(numel) if self.buffers is not None else torch.empty(numel)
         decode(self._first_payload, self.sum)
         self._first_payload = None
+
+    def _second_in_place(self, delta: torch.Tensor, r: float, norms: list[float]) -> None:
+        """The second contribution while the first is still encoded: `delta` becomes the one running sum (r·unit(Δ)
+        on RDA tensors, r·Δ on the others) and the first is added into it as it is decoded, a chunk at a time. One
+        fragment-sized buffer for the round instead of two (the first's decode beside the second's)."""
+        first, r1 = self._first_payload, self.total
+        first_norms = self._first_norms or self._payload_norms(first)
+        self._first_payload, self.norms, scales = None, [0.0] * len(self.segments), []
+        offset = 0
+        for s, (numel, _) in enumerate(self.segments):
+            part = delta[offset : offset + numel]
+            if not self.rda[s]:
+                part.mul_(r)
+                scales.append(r1)
+            else:  # unit(0) = 0
+                part.mul_(r / norms[s]) if norms[s] > _EPS else part.zero_()
+                self.norms[s] = (r * norms[s] if norms[s] > _EPS else 0.0) + (r1 * first_norms[s] if first_norms[s] > _EPS else 0.0)
+                scales.append(r1 / first_norms[s] if first_norms[s] > _EPS else 0.0)
+            offset += numel
+        for lo, hi, chunk in decoded_chunks(first):
+            for s, start, end in self._spans(lo, hi):
+                if scales[s]:
+                    delta[start:end].add_(chunk[start - lo : end - lo], alpha=scales[s])
+        self.sum, self.total, self.in_place = delta, r1 + r, True
+
+    def _spans(self, lo: int, hi: int):
+        """(tensor, start, end) of each tensor's part of values lo..hi."""
+        offset = 0
+        for s, (numel, _) in enumerate(self.segments):
+            start, end = max(lo, offset), min(hi, offset + numel)
+            if start < end:
+                yield s, start, end
+            offset += numel
+
+    def _payload_norms(self, payload) -> list[float]:
+        """`segment_norms` of an encoded contribution, read a chunk at a time."""
+        squares = [0.0] * len(self.segments)
+        for lo, hi, chunk in decoded_chunks(payload):
+            for s, start, end in self._spans(lo, hi):
+                squares[s] += float(chunk[start - lo : end - lo].double().square().sum())
+        return [q ** 0.5 for q in squares]
 
     def _add_in_place(self, delta: torch.Tensor, r: float, norms: list[float]) -> None:
         """One running sum: Σ r·unit(Δ) on RDA tensors, Σ r·Δ on the others (no mean fallback)."""

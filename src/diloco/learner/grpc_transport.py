@@ -397,7 +397,7 @@ class GrpcTransport(HeartbeatNews):
                                data_position=job.data_position)
         progress = self._push_progress = Progress(self.stall_timeout, len(payload.data))
         call = self._push_call = self.stub.Push.future(
-            self._metered(push_chunks(header, payload), progress, lambda m: len(m.data)))
+            self._metered(push_chunks(header, payload, self.config.wire_compression), progress, lambda m: len(m.data)))
         if self._closing.is_set():  # close() may have looked for a call to cancel just before this one began
             call.cancel()
         with progress.watching(call):

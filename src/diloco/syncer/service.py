@@ -29,24 +29,22 @@ from diloco.syncer import memory
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
 from diloco.syncer.downlink import Publication
 from diloco.syncer.guard import ShuttingDown, guarded, short
+from diloco.syncer.initial_upload import IDLE, InitialUpload
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import bounds
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import shown
-from diloco.wire.messages import Assembler, blobs, specs_from_proto
+from diloco.wire.compression import unpack
+from diloco.wire.messages import blobs, specs_from_proto
 
 log = logging.getLogger("diloco.syncer")
-IDLE = object()
-"""Yielded by SyncerService._chunks when a client stream sent nothing for stall_timeout."""
-INIT_IDLE_STALLS = 10
-"""An Init stream idle this many stall timeouts is ended (its lease passes on after one, as before)."""
 EXPIRY_SECONDS = 10.0
 """How often departed learners' records are looked at for expiry (SyncerCore.expire)."""
 
 
-class SyncerService(pb_grpc.SyncerServicer):
+class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
                  allow_takeover: bool = False):
         """`stall_timeout`: seconds the learner uploading the initial model may send nothing before another joiner
@@ -216,30 +214,6 @@ class SyncerService(pb_grpc.SyncerServicer):
             return None  # hung or cut off: its stream may linger until keepalive notices
         return now - record.joined_at
 
-    def _take_init_lease(self, learner_id: str) -> str:
-        """The learner that uploads the initial model: the first joiner, until its upload fails or sends nothing
-        for stall_timeout; then whoever joins next. Its owner re-joining keeps it. Returns the owner."""
-        now = time.monotonic()
-        owner = self._init_owner
-        if owner is not None and owner != learner_id and now - self._init_active_at <= self.stall_timeout:
-            return owner
-        if owner is not None and owner != learner_id:
-            log.warning("learner %s sent no initial parameters for %.0f s; learner %s uploads them instead",
-                        owner, now - self._init_active_at, learner_id)
-        self._init_owner, self._init_active_at = learner_id, now
-        self._init_lease += 1
-        return learner_id
-
-    def _init_header(self, learner_id: str) -> pb.JoinHeader:
-        owner = self._take_init_lease(learner_id)
-        header = pb.JoinHeader(fragments=self.core.cfg.fragments, config_json=self.core.cfg.to_json(), init_owner=owner)
-        if owner == learner_id:
-            header.need_init = True
-            log.info("asking learner %s for the initial model", learner_id)
-        else:
-            header.init_wait = True
-        return header
-
     # ---- RPCs ---------------------------------------------------------------------------------------------
     @guarded
     async def Join(self, request, context):
@@ -296,97 +270,6 @@ class SyncerService(pb_grpc.SyncerServicer):
                 self.core.fragments[index].give_back(values)
         self.wake.set()
 
-    @guarded
-    async def Init(self, request_iterator, context):
-        first, lease, idle = None, 0, 0
-        chunks = self._chunks(request_iterator, context)
-        try:
-            async for chunk in chunks:
-                if chunk is IDLE:  # the lease passes on when another learner joins (_take_init_lease)
-                    idle += 1
-                    if self.core.initialized:
-                        return self._count_out(pb.InitReply())  # another upload won: the rest is not needed
-                    if idle >= INIT_IDLE_STALLS:
-                        await self._idle(context, "initial model upload", idle * self.stall_timeout)
-                    continue
-                idle = 0
-                self._count_in(chunk)
-                if first is None:  # checked before anything is buffered
-                    first = await self._admit_init(chunk, context)
-                    if self.core.initialized:
-                        return self._count_out(pb.InitReply())  # another upload won: nothing to receive
-                    budget, received = self._init_budget(first), 0
-                    lease, flats, assembler = self._init_lease, {}, Assembler(max_payload_bytes=budget)
-                    self._init_active_at = time.monotonic()
-                    continue
-                if self.core.initialized:
-                    return self._count_out(pb.InitReply())  # another upload won meanwhile: the rest is not needed
-                await self._check_init_lease(first.learner_id, lease, context)
-                self._init_active_at = time.monotonic()  # progress: the lease stays with this upload
-                if not chunk.HasField("blob"):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Init carries one JoinRequest, first")
-                received += len(chunk.blob.data)
-                if received > budget:
-                    await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "oversized",
-                                       f"initial parameters exceed the {budget} bytes its tensor specs describe")
-                try:
-                    done = assembler.add(chunk.blob)
-                    if done is not None:
-                        flats[done.fragment] = codec.decode(done.payload)
-                except codec.CorruptPayload as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"initial parameters damaged: {e}")
-            if first is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Init must start with the learner's JoinRequest")
-            if self.core.initialized:
-                return self._count_out(pb.InitReply())
-            await self._check_init_lease(first.learner_id, lease, context)
-            try:
-                ordered = [flats[i] for i in range(len(flats))]
-                adopted = await self._core(self.core.initialize, specs_from_proto(first.specs), ordered)
-            except (Refused, KeyError, ValueError) as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot initialise the global model: {e}")
-            if adopted:
-                log.info("global model initialised from learner %s (%d fragments)", first.learner_id, len(self.core.fragments))
-            return self._count_out(pb.InitReply())
-        finally:
-            await chunks.aclose()  # a read still pending ends with the stream
-            if self.core.initialized:
-                self._init_owner = None
-            elif first is not None and self._init_lease == lease and self._init_owner == first.learner_id:
-                log.warning("learner %s's upload of the initial model failed; the next joiner uploads it", first.learner_id)
-                self._init_owner = None  # failed: the lease passes to the next joiner
-
-    def _init_budget(self, request: pb.JoinRequest) -> int:
-        """Bytes an initial upload may carry: every tensor its specs name, in fp32, plus slack per fragment."""
-        numel = 0
-        for spec in specs_from_proto(request.specs):
-            size = 1
-            for d in spec.shape:
-                size *= max(int(d), 0)
-            numel += size
-        return codec.encoded_size(numel, "fp32") + (self.core.cfg.fragments + 2) * 4096
-
-    async def _admit_init(self, chunk, context) -> pb.JoinRequest:
-        """The first Init chunk: the uploader's JoinRequest, with the run token, from the lease owner."""
-        if not chunk.HasField("request"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Init must start with the learner's JoinRequest")
-        await self._check_token(context, chunk.request.token)
-        await self._check_id(context, chunk.request.learner_id)
-        if not self.core.initialized:
-            await self._check_init_lease(chunk.request.learner_id, self._init_lease, context)
-        return chunk.request
-
-    async def _check_init_lease(self, learner_id: str, lease: int, context) -> None:
-        """Only the learner holding the current lease uploads; an Init whose lease passed on is ended."""
-        if self._init_owner == learner_id and self._init_lease == lease:
-            return
-        if self._init_owner in (None, learner_id):
-            why = "its upload lease was superseded or released"
-        else:
-            why = f"learner {self._init_owner} uploads it"
-        await context.abort(grpc.StatusCode.ABORTED,
-                            f"learner {shown(learner_id)} may not upload the initial model now ({why}); join again")
-
     async def _check_id(self, context, learner_id: str) -> None:
         try:
             check_learner_id(learner_id)
@@ -434,6 +317,11 @@ class SyncerService(pb_grpc.SyncerServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "oversized",
                                f"push of {header.total_bytes} bytes for fragment {header.fragment} exceeds "
                                f"its {limit}-byte size (wrong fragment, codec or model)")
+        numel = self.core.fragments[header.fragment].fragment.numel
+        if header.compression and header.numel != numel:  # it sizes the decompression: never larger than the fragment
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad shape",
+                               f"compressed push of {header.numel} values for fragment {header.fragment}, which has "
+                               f"{numel} (wrong fragment or model)")
 
     @guarded
     async def Push(self, request_iterator, context):
@@ -465,8 +353,10 @@ class SyncerService(pb_grpc.SyncerServicer):
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push without a header")
         def push():  # on the core worker: joining the parts copies the whole payload
-            payload = codec.Encoded(header.codec, header.numel, b"".join(parts), header.checksum)
+            data = b"".join(parts)
             parts.clear()
+            data = unpack(data, header.compression, header.codec, header.numel)  # CorruptPayload: the caller refuses
+            payload = codec.Encoded(header.codec, header.numel, data, header.checksum)
             return self.core.push(header.learner_id, header.session, header.seq, header.fragment, header.base_version,
                                   header.steps, header.tokens, payload, header.data_position, time.monotonic() - started)
 
@@ -474,6 +364,9 @@ class SyncerService(pb_grpc.SyncerServicer):
             result = await self._core(push)
         except Refused as e:
             await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "session", str(e))
+        except codec.CorruptPayload as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "corrupt payload",
+                               f"push of fragment {header.fragment}: {e}")
         if not result.accepted:
             self.metrics.refused(result.reason)
             log.warning("refused push of fragment %d from %s: %s", header.fragment, header.learner_id, result.reason)
@@ -508,7 +401,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                 if item is None:
                     return
                 pub, refused = item if isinstance(item, tuple) else (item, "")
-                for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq):
+                for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq,
+                                  self.core.cfg.wire_compression):
                     yield self._count_out(blob)
         finally:  # also when the learner's connection ends (a crash): the id is free to join again
             self._streams[key] -= 1

@@ -57,6 +57,8 @@ def check_push_header(header) -> None:
     if header.tokens > header.steps * MAX_TOKENS_PER_STEP:
         raise OutOfBounds(f"push of {header.tokens} tokens in {header.steps} steps is more than "
                           f"{MAX_TOKENS_PER_STEP} tokens per step")
+    if header.compression not in ("", "zstd"):
+        raise OutOfBounds(f"push compression {shown(header.compression)} is unknown: this syncer reads zstd or none")
 
 
 def check_fragment(fragment: int, fragments: int) -> int:

@@ -23,7 +23,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., embedding: _Optional[bool] = ..., kind: _Optional[str] = ..., alias_of: _Optional[str] = ...) -> None: ...
 
 class Blob(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "numel", "total_bytes", "checksum", "offset", "data", "full", "result_checksum", "refused", "seq")
+    __slots__ = ("fragment", "version", "codec", "numel", "total_bytes", "checksum", "offset", "data", "full", "result_checksum", "refused", "seq", "compression")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class Blob(_message.Message):
     RESULT_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -48,7 +49,8 @@ class Blob(_message.Message):
     result_checksum: int
     refused: str
     seq: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., full: _Optional[bool] = ..., result_checksum: _Optional[int] = ..., refused: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    compression: str
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., full: _Optional[bool] = ..., result_checksum: _Optional[int] = ..., refused: _Optional[str] = ..., seq: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("learner_id", "specs", "token", "session")
@@ -105,7 +107,7 @@ class InitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "session", "seq", "fragment", "base_version", "steps", "tokens", "data_position", "codec", "numel", "total_bytes", "checksum")
+    __slots__ = ("learner_id", "session", "seq", "fragment", "base_version", "steps", "tokens", "data_position", "codec", "numel", "total_bytes", "checksum", "compression")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class PushHeader(_message.Message):
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     session: str
     seq: int
@@ -130,7 +133,8 @@ class PushHeader(_message.Message):
     numel: int
     total_bytes: int
     checksum: int
-    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., seq: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., data_position: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    compression: str
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., seq: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., data_position: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

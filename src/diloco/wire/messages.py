@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from diloco import codec
 from diloco.fragments import KINDS, TensorSpec
 from diloco.wire import diloco_pb2 as pb
+from diloco.wire.compression import pack, unpack
 
 CHUNK_BYTES = 2 << 20
 MAX_MESSAGE_BYTES = 16 << 20  # one chunk plus headroom; raised from gRPC's 4 MiB default on both ends
@@ -69,15 +70,16 @@ def specs_from_proto(specs) -> list[TensorSpec]:
 
 
 def blobs(fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
-          refused: str = "", seq: int = 0) -> Iterator[pb.Blob]:
+          refused: str = "", seq: int = 0, compression: str = "none") -> Iterator[pb.Blob]:
     """A payload as a sequence of Blob chunks; the first carries all metadata, later ones repeat it (tiny). The
-    payload's data may be a memoryview (`codec.view_fp32`): each chunk is copied as it is sent."""
-    data = payload.data
+    payload's data may be a memoryview (`codec.view_fp32`): each chunk is copied as it is sent. `compression`:
+    see `wire.compression.pack`."""
+    data, method = pack(payload, compression)
     for offset in range(0, max(len(data), 1), CHUNK_BYTES):
         yield pb.Blob(
             fragment=fragment, version=version, codec=payload.codec, numel=payload.numel, total_bytes=len(data),
             checksum=payload.checksum, offset=offset, data=bytes(data[offset : offset + CHUNK_BYTES]), full=full,
-            result_checksum=result_checksum, refused=refused, seq=seq,
+            result_checksum=result_checksum, refused=refused, seq=seq, compression=method,
         )
 
 
@@ -125,6 +127,7 @@ class Assembler:
         if end < len(data):
             return None
         self._drop(key)
+        data = unpack(data, first.compression, first.codec, first.numel)
         return Assembled(first.fragment, first.version, codec.Encoded(first.codec, first.numel, data, first.checksum),
                          first.full, first.result_checksum, first.refused, first.seq)
 
@@ -133,10 +136,11 @@ class Assembler:
         self._size.pop(key, None)
 
 
-def push_chunks(header: pb.PushHeader, payload: codec.Encoded) -> Iterator[pb.PushChunk]:
+def push_chunks(header: pb.PushHeader, payload: codec.Encoded, compression: str = "none") -> Iterator[pb.PushChunk]:
+    data, header.compression = pack(payload, compression)
     header.codec, header.numel = payload.codec, payload.numel
-    header.total_bytes, header.checksum = len(payload.data), payload.checksum
+    header.total_bytes, header.checksum = len(data), payload.checksum
     yield pb.PushChunk(header=header)
-    data = memoryview(payload.data)  # each chunk is copied as it is sent, the payload never twice
+    data = memoryview(data)  # each chunk is copied as it is sent, the payload never twice
     for offset in range(0, len(data), CHUNK_BYTES):
         yield pb.PushChunk(data=bytes(data[offset : offset + CHUNK_BYTES]))
