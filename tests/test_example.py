@@ -9,14 +9,15 @@ from diloco import ServerOptions, SyncerThread, for_mode
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "own_loop.py"
 
 
-def test_own_loop_example_trains_two_learners_against_a_syncer():
+def train_two(cfg, steps: int):
+    """The example as two learners, alice and bob, against a syncer with `cfg`: (their Learners, its final status)."""
     spec = importlib.util.spec_from_file_location("own_loop", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    syncer = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4), ServerOptions(listen="127.0.0.1:0", http=None))
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None))
     done = {}
     try:
-        threads = [threading.Thread(target=lambda i=i: done.update({i: example.main(syncer.address, i, steps=40)}))
+        threads = [threading.Thread(target=lambda i=i: done.update({i: example.main(syncer.address, i, steps=steps)}))
                    for i in ("alice", "bob")]
         for t in threads:
             t.start()
@@ -24,6 +25,12 @@ def test_own_loop_example_trains_two_learners_against_a_syncer():
             t.join(60)
     finally:
         status = syncer.stop()
+    return done, status
+
+
+def test_own_loop_example_trains_two_learners_against_a_syncer():
+    done, status = train_two(for_mode("decoupled", 2, fragments=2, sync_every=4), steps=40)
+    assert len(done) == 2
     for learner in done.values():
         # H = 4, P = 2: a push every second schedule position, each sent or skipped (its predecessor in flight);
         # 40 steps pass 40 positions, give or take the shifts that keep the learner in phase with the other

@@ -105,6 +105,19 @@ def test_delayed_momentum_advances_once_per_full_share():
     assert share == 0.0 and v.item() == 0.5 and theta.item() == -0.75 and pending.item() == 0.0
 
 
+class Counting:
+    """Buffers for a StreamingMerge that count how many it takes."""
+
+    taken = 0
+
+    def take(self, numel):
+        self.taken += 1
+        return torch.empty(numel)
+
+    def give(self, t):
+        pass
+
+
 def stream(deltas, weights, segments, method, mean_fallback=True, buffers=None, encoded=None):
     acc = StreamingMerge(segments, method, buffers, mean_fallback)
     for d, w in zip(deltas, weights):
@@ -162,19 +175,9 @@ def test_streaming_merge_falls_back_to_the_mean_when_directions_cancel():
 
 
 def test_without_the_mean_fallback_a_vanished_direction_merges_to_zero_with_one_running_sum():
-    class Counting:  # where RDA's second running sum would come from
-        taken = 0
-
-        def take(self, numel):
-            self.taken += 1
-            return torch.empty(numel)
-
-        def give(self, t):
-            pass
-
     d = [torch.tensor([1.0, 2.0, 3.0, 4.0, 1.0]), torch.tensor([-1.0, -2.0, -3.0, 2.0, 3.0])]
     segments = [(3, False), (2, True)]  # an RDA tensor whose directions cancel, then an embedding one
-    buffers = Counting()
+    buffers = Counting()  # where RDA's second running sum would come from
     acc = StreamingMerge(segments, "rda", buffers, mean_fallback=False)
     for x in d:
         acc.add(x.clone(), 1.0)
@@ -210,16 +213,6 @@ def test_a_second_contribution_becomes_the_sum_while_the_first_is_decoded_into_i
     deltas[0][1300:1370] = 0.0  # unit(0) = 0 in the first contribution, then in the second
     deltas[1][1370:] = 0.0
     weights = [2.0, 5.0, 1.0]
-
-    class Counting:
-        taken = 0
-
-        def take(self, numel):
-            self.taken += 1
-            return torch.empty(numel)
-
-        def give(self, t):
-            pass
 
     buffers, merged = Counting(), []
     acc = StreamingMerge(segments, "rda", buffers, mean_fallback=False)

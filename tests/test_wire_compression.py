@@ -5,10 +5,11 @@ import pytest
 import torch
 import zstandard
 
-from diloco import codec
+from diloco import codec, for_mode
 from diloco.wire import compression
-from diloco.wire.messages import Assembler, blobs, push_chunks
 from diloco.wire import diloco_pb2 as pb
+from diloco.wire.messages import Assembler, blobs, push_chunks
+from test_example import train_two
 
 
 def outer_gradient(n=1 << 16, seed=0):
@@ -66,12 +67,6 @@ def test_blobs_and_pushes_carry_compressed_payloads_that_assemble_to_the_origina
 def test_two_learners_train_over_zstd_both_ways(monkeypatch):
     """A real syncer and two learners on loopback with --wire-compression zstd: pushes and answers go compressed,
     and every answer a learner applies matches the syncer's checksum of what it must then hold."""
-    import importlib.util
-    import pathlib
-    import threading
-
-    from diloco import ServerOptions, SyncerThread, for_mode
-
     sent = []
     original = compression.pack
 
@@ -81,22 +76,7 @@ def test_two_learners_train_over_zstd_both_ways(monkeypatch):
         return out
 
     monkeypatch.setattr("diloco.wire.messages.pack", counting)
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "own_loop.py"
-    spec = importlib.util.spec_from_file_location("own_loop", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    cfg = for_mode("decoupled", 2, fragments=2, sync_every=4, wire_compression="zstd")
-    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None))
-    done = {}
-    try:
-        threads = [threading.Thread(target=lambda i=i: done.update({i: example.main(syncer.address, i, steps=30)}))
-                   for i in ("alice", "bob")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        status = syncer.stop()
+    done, status = train_two(for_mode("decoupled", 2, fragments=2, sync_every=4, wire_compression="zstd"), steps=30)
     assert len(done) == 2 and all(learner.applied >= 1 for learner in done.values())
     assert status["rounds"] >= 2
     assert ("int4", "zstd") in sent and ("int8", "zstd") in sent  # pushes up, changes down
