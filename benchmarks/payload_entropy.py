@@ -5,7 +5,7 @@
 Trains the built-in model with AdamW on the built-in corpus (one learner, batch and learning rate from the
 defaults), then takes Δ over --steps steps (H, one push cycle) --cycles times, and encodes each Δ in int4 and int8
 as a learner and the syncer do. Reported per codec: the payload's bytes, the order-0 entropy of its quantised
-values (what a coder of independent symbols could reach, the block scales counted at 32 bits), and what zlib at
+values (what a coder of independent symbols could reach, the block scales counted in full), and what zlib at
 level 6 gives (it also finds the redundancy of the scales' bytes). A coder is worth its CPU and a protocol field
 only if the saving is large.
 """
@@ -31,10 +31,10 @@ from diloco.train.model import build_model
 def symbols(payload: codec.Encoded) -> tuple[np.ndarray, int]:
     """The quantised values of a block codec's payload, and the bytes of its scales."""
     blocks = -(-payload.numel // codec.BLOCK)
-    body = np.frombuffer(payload.data, dtype=np.uint8, offset=4 * blocks)
+    body = np.frombuffer(payload.data, dtype=np.uint8, offset=codec.SCALE_BYTES * blocks)
     if payload.codec == "int4":
         body = np.stack([body & 0x0F, body >> 4], axis=1).reshape(-1)
-    return body[: payload.numel], 4 * blocks
+    return body[: payload.numel], codec.SCALE_BYTES * blocks
 
 
 def entropy_bytes(payload: codec.Encoded) -> float:

@@ -48,10 +48,12 @@ def peak_rss_bytes() -> int:
 def random_payload(numel: int, codec_name: str, rng):
     """A valid int8/int4 payload of random values built as bytes, as it arrives from the wire: encoding a float
     tensor here would add the benchmark's own temporaries to the syncer's peak."""
+    import torch
+
     from diloco import codec
 
     blocks = -(-numel // codec.BLOCK)
-    scales = np.full(blocks, 1e-4, dtype=np.float32).tobytes()
+    scales = torch.full((blocks,), 1e-4, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
     body = rng.integers(0, 256, codec.encoded_size(numel, codec_name) - len(scales), dtype=np.uint8)
     if codec_name == "int8":
         body = (body.view(np.int8) // 2).view(np.uint8)  # within the int8 codec's levels

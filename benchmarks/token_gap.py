@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan import first_reach, run_once  # noqa: E402  (a sibling script)
 
-from diloco.codec import BLOCK  # noqa: E402
+from diloco.codec import BLOCK, SCALE_BYTES  # noqa: E402
 
 
 def ratio_rows(results: dict, margin: float) -> list[dict]:
@@ -103,9 +103,9 @@ def parts_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-SCALE_SHARE = {"int8": 4 / (4 + BLOCK), "int4": 4 / (4 + BLOCK // 2)}
-"""Share of an int8 / int4 payload that is block scales: one fp32 scale per block of BLOCK values, up to the last
-block's padding."""
+SCALE_SHARE = {"int8": SCALE_BYTES / (SCALE_BYTES + BLOCK), "int4": SCALE_BYTES / (SCALE_BYTES + BLOCK // 2)}
+"""Share of an int8 / int4 payload that is block scales: one scale per block of BLOCK values, up to the last
+block's padding. Runs recorded before the scales became bf16 had 4-byte scales (twice these shares)."""
 
 
 def main() -> int:

@@ -43,7 +43,7 @@ def push(core, lid, session, seq, fragment=1, value=0.5, base_version=None, step
 def block_payload(name, numel, scale):
     """A well-formed int8/int4 payload (right size and checksum) whose first block scale is `scale`."""
     data = bytearray(codec.encode(torch.ones(numel), name).data)
-    data[:4] = struct.pack("<f", scale)
+    data[:2] = struct.pack("<h", torch.tensor([scale], dtype=torch.bfloat16).view(torch.int16).item())  # bf16
     return codec.Encoded(name, numel, bytes(data), codec.checksum(bytes(data)))
 
 
@@ -381,7 +381,8 @@ def test_partial_round_is_scaled_by_its_share_of_expected_tokens():
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_outer_state_is_kept_only_when_momentum_can_move_theta(momentum):
     # μ = 0, decoupled mode's default: (delayed) Nesterov is Θ ← Θ − η·Δ, and neither v nor the pending Σ is held
-    core, clock = make_core(learners=2, grace=0.0, outer_momentum=momentum, outer_lr=0.7)
+    # Θ in fp32 (no bf16 residual): the outer step compared exactly
+    core, clock = make_core(learners=2, grace=0.0, outer_momentum=momentum, outer_lr=0.7, bf16_residual=False)
     sessions = {x: core.join(x, SPECS) for x in "ab"}
     theta = core.fragments[1].outer_values().clone()
     v, pending, pending_share = torch.zeros_like(theta), torch.zeros_like(theta), 0.0

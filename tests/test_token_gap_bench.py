@@ -55,9 +55,9 @@ def test_the_table_says_when_a_seed_never_reached_t():
 
 
 def test_where_the_bytes_went_by_call_and_part():
-    parts = {"push": {"payload:int4": 360, "framing": 40}, "downlink": {"payload:int8": 340, "framing": 60},
+    parts = {"push": {"payload:int4": 340, "framing": 60}, "downlink": {"payload:int8": 330, "framing": 70},
              "join": {"payload:fp32": 150, "framing": 10}, "heartbeat": {"framing": 40}}
     table = token_gap.parts_markdown({"runs": {"v@0": {"wire_bytes": 1000, "wire_parts": parts}, "dp@0": {}}})
-    # scales: an int4 block is 4 + 32 bytes, an int8 block 4 + 64: 360 / 9 + 340 / 17 = 60 bytes
-    assert "| v@0 | 0.00 | 40.0% | 40.0% | 16.0% | 4.0% | 15.0% | 6.0% |" in table
+    # scales (bf16): an int4 block is 2 + 32 bytes, an int8 block 2 + 64: 340 / 17 + 330 / 33 = 30 bytes
+    assert "| v@0 | 0.00 | 40.0% | 40.0% | 16.0% | 4.0% | 18.0% | 3.0% |" in table
     assert "dp@0" not in table
