@@ -11,7 +11,7 @@ from pathlib import Path
 
 from diloco import __version__
 from diloco.codec import CODECS
-from diloco.config import MODES, PRESETS
+from diloco.config import MODES, PRESETS, WIRE_COMPRESSIONS
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
@@ -36,7 +36,7 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--quorum", "-K", type=int, help="K: learners a round needs (decoupled: 1; others: all)")
     g.add_argument("--codec", choices=CODECS, help="outer-gradient codec (decoupled: int4)")
     g.add_argument("--down-codec", choices=CODECS, help="codec of merged fragments sent back (decoupled: int8)")
-    g.add_argument("--wire-compression", choices=("none", "zstd"),
+    g.add_argument("--wire-compression", choices=WIRE_COMPRESSIONS,
                    help="zstd-compress int4/int8 payloads both ways: 5-17%% fewer bytes for some CPU (none)")
     g.add_argument("--grace", type=float, help="fixed grace window in seconds (default: adaptive)")
     g.add_argument("--grace-expect-steps", type=float, metavar="STEPS",

@@ -10,6 +10,8 @@ from diloco.codec import check_codec
 from diloco.policy import PolicyConfig
 
 MODES = ("decoupled", "streaming", "diloco", "dp")
+WIRE_COMPRESSIONS = ("none", "zstd")
+"""Values of `SyncConfig.wire_compression` (diloco.wire.compression)."""
 PRESETS = ("default", "paper")
 
 PAPER = dict(
@@ -186,8 +188,8 @@ def for_mode(mode: str, learners: int, preset: str | None = None, **overrides) -
 def validate(cfg: SyncConfig, learners: int | None = None) -> None:
     check_codec(cfg.codec)
     check_codec(cfg.down_codec)
-    if cfg.wire_compression not in ("none", "zstd"):
-        raise ValueError(f"--wire-compression must be none or zstd, got {cfg.wire_compression!r}")
+    if cfg.wire_compression not in WIRE_COMPRESSIONS:
+        raise ValueError(f"--wire-compression must be one of {', '.join(WIRE_COMPRESSIONS)}, got {cfg.wire_compression!r}")
     if cfg.publish_to not in ("contributors", "live"):
         raise ValueError(f"--publish-to must be contributors or live, got {cfg.publish_to!r}")
     if cfg.publish_to == "live" and cfg.down_codec != "fp32":

@@ -192,14 +192,15 @@ class StreamingMerge:
         offset = 0
         for s, (numel, _) in enumerate(self.segments):
             part = delta[offset : offset + numel]
+            offset += numel
             if not self.rda[s]:
                 part.mul_(r)
                 scales.append(r1)
-            else:  # unit(0) = 0
-                part.mul_(r / norms[s]) if norms[s] > _EPS else part.zero_()
-                self.norms[s] = (r * norms[s] if norms[s] > _EPS else 0.0) + (r1 * first_norms[s] if first_norms[s] > _EPS else 0.0)
-                scales.append(r1 / first_norms[s] if first_norms[s] > _EPS else 0.0)
-            offset += numel
+                continue
+            second, first_norm = norms[s] if norms[s] > _EPS else 0.0, first_norms[s] if first_norms[s] > _EPS else 0.0
+            part.mul_(r / second) if second else part.zero_()  # unit(0) = 0
+            self.norms[s] = r * second + r1 * first_norm
+            scales.append(r1 / first_norm if first_norm else 0.0)
         for lo, hi, chunk in decoded_chunks(first):
             for s, start, end in self._spans(lo, hi):
                 if scales[s]:

@@ -486,11 +486,11 @@ class SyncerCore:
         record = self._record(learner_id, session)
         fs = self.fragments[fragment]
         record.versions[fragment] = fs.version
-        payload = codec.encode(fs.values, "fp32")
+        pub = Publication(learner_id, fragment, fs.version, codec.encode(fs.values, "fp32"), True,
+                          downlink.checksum(fs), seq)
         with self.lock:
-            self.full_answers["count"] += 1
-            self.full_answers["bytes"] += len(payload.data)
-        return Publication(learner_id, fragment, fs.version, payload, True, downlink.checksum(fs), seq)
+            downlink.count_full(self.full_answers, [pub])
+        return pub
 
     def poll(self, force: bool = False) -> list[Publication]:
         """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom. Worker

@@ -60,6 +60,15 @@ def forget_held(fs, held: list[int]) -> None:
         fs.changes.popleft()
 
 
+def count_full(tally: dict, publications) -> None:
+    """Add the full-value answers among `publications` to `tally` ({"count", "bytes"}; the core's
+    `full_answers`, under its lock)."""
+    for pub in publications:
+        if pub.full:
+            tally["count"] += 1
+            tally["bytes"] += len(pub.payload.data)
+
+
 def checksum(fs) -> int:
     """CRC-32 of P_v, computed once per version."""
     if fs.checksum is None or fs.checksum[0] != fs.version:

@@ -31,15 +31,15 @@ def core_parts(core) -> dict[str, int]:
     return parts
 
 
-def queued_bytes(queues, changes: set[int]) -> int:
+def queued_bytes(queues, kept: set[int]) -> int:
     """Bytes of the distinct payloads waiting in learners' update queues that the core no longer holds (full
-    values, or changes that left the window); `changes`: ids of the payloads the core still keeps."""
-    seen, total = set(changes), 0
+    values, or changes that left the window); `kept`: ids of the payloads the core still keeps."""
+    seen, total = set(kept), 0
     for queue in list(queues):
-        for pub in queue.payloads():
-            if id(pub) not in seen:
-                seen.add(id(pub))
-                total += len(pub.data)
+        for payload in queue.payloads():
+            if id(payload) not in seen:
+                seen.add(id(payload))
+                total += len(payload.data)
     return total
 
 

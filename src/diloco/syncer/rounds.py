@@ -120,10 +120,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         downlink.forget_held(fs, held)
     seconds = time.monotonic() - started
     with core.lock:
-        for pub in out:
-            if pub.full:
-                core.full_answers["count"] += 1
-                core.full_answers["bytes"] += len(pub.payload.data)
+        downlink.count_full(core.full_answers, out)
         core.sync_avg.update(core.clock() - clock_started)
         stats = core.merge_stats
         stats["count"] += 1

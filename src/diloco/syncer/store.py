@@ -99,15 +99,15 @@ class StateStore:
     def _manifest(self) -> dict:
         return {"generation": self.generation, "files": dict(self.files), "integrity": dict(self.integrity)}
 
-    def save(self, ledger: dict, fragments: dict[int, tuple[int, dict[str, torch.Tensor] | Callable]]) -> None:
-        """Write the ledger and the given fragments ({index: (version, tensors, or a function making them when
-        the fragment is written)}), then switch the manifest. Raises OSError (naming the path) when the folder
+    def save(self, ledger: dict, fragments: dict[int, tuple[int, dict[str, torch.Tensor | Chunked]]]) -> None:
+        """Write the ledger and the given fragments ({index: (version, tensors)}; a `Chunked` one is made as it is
+        written), then switch the manifest. Raises OSError (naming the path) when the folder
         cannot take them; the current state is then unchanged."""
         generation = self.generation + 1
         files, integrity = dict(self.files), dict(self.integrity)
         for index, (version, tensors) in fragments.items():
             name = f"fragment-{index}-v{version}.safetensors"
-            integrity[name] = list(save_fragment(self.folder / name, tensors() if callable(tensors) else tensors))
+            integrity[name] = list(save_fragment(self.folder / name, tensors))
             files[f"fragment-{index}"] = name
         ledger_name = f"ledger-{generation}.json"
         integrity[ledger_name] = list(write_json(self.folder / ledger_name, ledger))

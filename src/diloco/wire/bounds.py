@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from diloco.config import WIRE_COMPRESSIONS as METHODS
+
 MAX_COUNTER = 2**53
 """Largest step, token, sequence, version or position count accepted (exact in a double, ~9·10^15)."""
 MAX_TOKENS_PER_STEP = 2**32
@@ -57,8 +59,9 @@ def check_push_header(header) -> None:
     if header.tokens > header.steps * MAX_TOKENS_PER_STEP:
         raise OutOfBounds(f"push of {header.tokens} tokens in {header.steps} steps is more than "
                           f"{MAX_TOKENS_PER_STEP} tokens per step")
-    if header.compression not in ("", "zstd"):
-        raise OutOfBounds(f"push compression {shown(header.compression)} is unknown: this syncer reads zstd or none")
+    if header.compression not in ("", *METHODS):
+        raise OutOfBounds(f"push compression {shown(header.compression)} is unknown: this syncer reads "
+                          f"{', '.join(METHODS)}")
 
 
 def check_fragment(fragment: int, fragments: int) -> int:
