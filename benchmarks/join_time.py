@@ -1,6 +1,8 @@
-"""How long joining a run takes with GPT-2 124M, and how many bytes it moves: the first learner uploads the
-initial model (Init) and then downloads the global one (Join); a second learner only downloads. Measured over
-loopback and through a proxy capped at --bandwidth in each direction.
+"""How long joining a run takes with GPT-2 124M, and how many bytes it moves. The first learner uploads the
+initial model (Init) and joins; a second learner built the same way (same seed) joins, and so does a third with
+other weights, which downloads the global model. Then a syncer started from a checkpoint of the same weights
+(`--initial-model`) takes a learner that loaded them: nobody uploads. Measured over loopback and through a proxy
+capped at --bandwidth in each direction.
 
     python benchmarks/join_time.py --bandwidth 50mbit --json runs/join-time.json
 
@@ -14,6 +16,7 @@ import argparse
 import inspect
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +31,10 @@ STALL_SECONDS = 120.0
 """Deadline of a transport that fails a call only when it stops making progress (stall_timeout)."""
 
 
-def build_gpt2() -> torch.nn.Module:
+def build_gpt2(seed: int = 0) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(0)  # both learners build the same model
+    torch.manual_seed(seed)  # learners of one seed build the same model
     return GPT2LMHeadModel(GPT2Config())
 
 
@@ -66,9 +69,9 @@ class TimedInit:
             self.bytes = self.transport.bytes_sent - sent
 
 
-def join_once(address: str, learner_id: str, options: dict) -> dict:
+def join_once(address: str, learner_id: str, options: dict, seed: int = 0) -> dict:
     """Build the model, join (uploading it if the syncer has none yet), leave; the figures of that join."""
-    model = build_gpt2()
+    model = build_gpt2(seed)
     model_bytes = 4 * sum(p.numel() for p in model.parameters())
     transport = GrpcTransport(address, **options)
     transport._initialise = init = TimedInit(transport)  # no public hook times the upload alone
@@ -77,31 +80,42 @@ def join_once(address: str, learner_id: str, options: dict) -> dict:
     total = time.perf_counter() - started
     learner.close()  # leave without pushing: only the join is measured
     # Join = everything but the upload: the requests, and the download of the global model.
-    return dict(learner=learner_id, model_bytes=model_bytes,
+    return dict(learner=learner_id, seed=seed, model_bytes=model_bytes,
                 init_seconds=init.seconds, init_bytes=init.bytes,
                 join_seconds=total - (init.seconds or 0.0),
                 join_bytes=transport.bytes_sent + transport.bytes_received - init.bytes,
                 total_seconds=total, bytes_sent=transport.bytes_sent, bytes_received=transport.bytes_received)
 
 
-def measure_link(bandwidth: float | None) -> list[dict]:
-    """A first and a second learner joining a fresh syncer, directly or through a capped proxy."""
+def measure_link(bandwidth: float | None, checkpoint: Path) -> list[dict]:
+    """Learners joining a fresh syncer one after the other, directly or through a capped proxy: the first uploads,
+    a second of the same seed and a third of another join; then a learner joins a syncer started from
+    `checkpoint` (seed 0's weights)."""
     options = transport_options(fp32_bytes(), bandwidth)
     link = "loopback" if bandwidth is None else f"{8 * bandwidth / 1e6:g} Mbit/s"
-    with SyncerProcess(learners=2) as syncer:
-        proxy = ProxyThread(syncer.address, faults=LinkFaults(bandwidth_bps=bandwidth)) if bandwidth else None
-        try:
-            address = proxy.address if proxy else syncer.address
-            # One after the other, the first leaving before the second joins: only one 124M model in memory.
-            results = [join_once(address, learner_id, options) for learner_id in ("first", "second")]
-        finally:
-            if proxy:
-                proxy.stop()
+    results = []
+    for syncer_options, learners in (({}, [("first", 0), ("same seed", 0), ("other seed", 1)]),
+                                     ({"initial_model": checkpoint}, [("from checkpoint", 0)])):
+        with SyncerProcess(learners=2, options=syncer_options) as syncer:
+            proxy = ProxyThread(syncer.address, faults=LinkFaults(bandwidth_bps=bandwidth)) if bandwidth else None
+            try:
+                address = proxy.address if proxy else syncer.address
+                # One after the other, each leaving before the next joins: only one 124M model in memory.
+                results += [join_once(address, learner_id, options, seed) for learner_id, seed in learners]
+            finally:
+                if proxy:
+                    proxy.stop()
     for result in results:
         result.update(link=link, bandwidth_bytes_per_second=bandwidth, transport_options=options)
-    if proxy:  # the proxy's own count of TCP payload, both learners together: a cross-check of the above
-        results[-1].update(proxy_bytes_up=proxy.bytes_up, proxy_bytes_down=proxy.bytes_down)
     return results
+
+
+def save_checkpoint(path: Path) -> Path:
+    """Seed 0's weights as a safetensors file, as a user would put a pretrained checkpoint on the syncer's disk."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().clone().contiguous() for k, v in build_gpt2(0).state_dict().items()}, str(path))
+    return path
 
 
 def print_table(results: list[dict]) -> None:
@@ -126,9 +140,11 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args()
     results = []
-    for bandwidth in ([] if args.no_loopback else [None]) + [parse_rate(args.bandwidth)]:
-        results += measure_link(bandwidth)
-        print(f"measured {results[-1]['link']}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = save_checkpoint(Path(folder) / "gpt2.safetensors")
+        for bandwidth in ([] if args.no_loopback else [None]) + [parse_rate(args.bandwidth)]:
+            results += measure_link(bandwidth, checkpoint)
+            print(f"measured {results[-1]['link']}", file=sys.stderr)
     print_table(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -40,13 +40,14 @@ TARGET_RSS_OVER_MODEL = 1.2
 
 
 # ---- the syncer, in a process of its own ----------------------------------------------------------------------
-def _serve(conn, learners: int, overrides: dict) -> None:
+def _serve(conn, learners: int, overrides: dict, options: dict | None = None) -> None:
     """Body of the syncer process: serve until told to stop, then send back the final status."""
     torch.set_num_threads(1)  # leave the other cores to the learner
     os.nice(19)  # a real syncer runs on another machine: here it takes only what the learner leaves
     from diloco import ServerOptions, SyncerThread, for_mode
 
-    syncer = SyncerThread(for_mode("decoupled", learners, **overrides), ServerOptions(listen="127.0.0.1:0", http=None))
+    syncer = SyncerThread(for_mode("decoupled", learners, **overrides),
+                          ServerOptions(listen="127.0.0.1:0", http=None, **(options or {})))
     conn.send(syncer.address)
     conn.recv()
     status = syncer.stop(timeout=300)
@@ -57,10 +58,11 @@ class SyncerProcess:
     """`with SyncerProcess() as syncer:` a decoupled-mode syncer at `syncer.address` in a spawned process;
     `syncer.final_status` holds its last status once the block is left."""
 
-    def __init__(self, learners: int = 1, **overrides):
+    def __init__(self, learners: int = 1, options: dict | None = None, **overrides):
+        """`options`: ServerOptions fields; `overrides`: SyncConfig fields."""
         context = multiprocessing.get_context("spawn")  # a clean interpreter, no copy of this process's memory
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, learners, overrides), daemon=True)
+        self._process = context.Process(target=_serve, args=(child, learners, overrides, options), daemon=True)
         self.address = ""
         self.final_status: dict = {}
 

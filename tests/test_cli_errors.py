@@ -40,6 +40,8 @@ def run_cli(capsys, *argv):
     (["run", "--syncer-shards", "2", "--chaos", "syncer-crash"], "take one syncer; drop --syncer-shards"),
     (["run", "--publish-to", "live"], "--publish-to live needs --down-codec fp32"),
     (["syncer", "--shard", "2/2"], "need 0 ≤ I < N"),
+    (["syncer", "--listen", "127.0.0.1:0", "--initial-model", "/nonexistent/ckpt.safetensors"],
+     "--initial-model /nonexistent/ckpt.safetensors: no such file"),
     (["learner", "--syncer", "127.0.0.1:1,nohost", "--id", "x"], "expected HOST:PORT, got 'nohost'"),
 ])
 def test_bad_flags_are_refused_clearly(capsys, tmp_path, argv, message):

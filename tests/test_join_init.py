@@ -47,10 +47,10 @@ def same(a, b) -> bool:
 
 
 @contextlib.contextmanager
-def syncer_running(stall_timeout: float = 60.0, allow_takeover: bool = False, **cfg):
+def syncer_running(stall_timeout: float = 60.0, allow_takeover: bool = False, initial_model=None, **cfg):
     cfg = for_mode("decoupled", 2, **{"fragments": 2, "sync_every": 4, **cfg})
     syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, stall_timeout=stall_timeout,
-                                             allow_takeover=allow_takeover))
+                                             allow_takeover=allow_takeover, initial_model=initial_model))
     try:
         yield syncer
     finally:

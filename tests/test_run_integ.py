@@ -36,7 +36,9 @@ def test_syncer_and_three_learners_one_slow_every_fragment_advances(tmp_path):
     assert sum(n for by_part in parts.values() for n in by_part.values()) == report["wire_bytes"]
     assert set(parts["push"]) == {"payload:int4", "framing"} and set(parts["heartbeat"]) == {"framing"}
     assert parts["downlink"]["payload:int8"] > parts["downlink"]["framing"] > 0
-    assert parts["join"]["payload:fp32"] >= 3 * 4 * report["model_parameters"]  # each learner got the model
+    # one learner uploaded the model; none was sent it, since each built the same one from the seed (its digests)
+    assert parts["init"]["payload:fp32"] >= 4 * report["model_parameters"]
+    assert "payload:fp32" not in parts["join"] and parts["join"]["framing"] < 4 * report["model_parameters"]
     bytes_seen = [p["wire_bytes"] for p in report["eval_curve"][1:]]  # at each snapshot: bytes to each quality
     assert bytes_seen == sorted(bytes_seen) and 0 < bytes_seen[-1] <= report["wire_bytes"]
     for name in ("report.json", "eval_loss.png", "model.safetensors", "sample.txt", "metrics/learner-2.jsonl"):
@@ -87,7 +89,9 @@ def test_paced_learners_have_fixed_capacities_and_goodput_at_most_one(tmp_path):
 
 def test_a_run_with_two_syncer_shards_trains_and_reports_as_one(tmp_path):
     report, out = diloco_run(tmp_path, "--learners", "2", "--syncer-shards", "2", "--steps", "24",
-                             "--fragments", "4", "--sync-every", "4")
+                             "--fragments", "4", "--sync-every", "4", "--initial-model", "file")
+    assert (out / "initial-model.safetensors").exists()  # each shard started from it: no model crossed the wire
+    assert "init" not in report["wire_parts"] and "payload:fp32" not in report["wire_parts"]["join"]
     shards = [json.loads((out / "syncer" / f"shard-{i}" / "syncer.json").read_text()) for i in range(2)]
     assert [s["owned_fragments"] for s in shards] == [[0, 2], [1, 3]]
     combined = json.loads((out / "syncer" / "syncer.json").read_text())

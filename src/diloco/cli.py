@@ -196,7 +196,7 @@ def cmd_syncer(args) -> int:
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout, recover=args.state_recover,
                          insecure=args.insecure, status_token=args.status_token,
-                         allow_takeover=args.allow_takeover, shard=args.shard)
+                         allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model)
     status = asyncio.run(serve(cfg, opts))
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
     return 0
@@ -336,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/N",
                    help="run as shard I of N syncers, serving the fragments p with p mod N = I (learners take every "
                         "shard's address: --syncer A,B,...); each shard needs its own --state directory")
+    p.add_argument("--initial-model", type=Path, metavar="FILE.safetensors",
+                   help="start from this checkpoint (e.g. the learners' pretrained weights, or a model.safetensors "
+                        "this syncer wrote): no learner uploads the model, and learners holding the same values "
+                        "download none of it")
     p.add_argument("--allow-takeover", action="store_true",
                    help="let a Join under a live learner's id supersede it without that learner's session secret "
                         "(by default only the learner itself, or one whose stream ended, can take its id)")

@@ -200,8 +200,9 @@ class GrpcTransport(HeartbeatNews):
         except Refused:
             raise SyncerError(f"invalid learner id {shown(learner_id)}: use 1-64 letters, digits, '.', '_' or '-', "
                               f"starting with a letter or digit") from None
+        digests = getattr(initial, "digests", None)  # the fragments still at these values are not sent to us
         request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(specs), token=self.token,
-                                 session=self.session)
+                                 session=self.session, held=digests() if digests else [])
         self._max_payload = 4 * sum(s.numel for s in specs) + CHUNK_BYTES
         """No payload from the syncer can be larger than the whole model in fp32: a bound before buffers are made."""
         started = time.monotonic()
@@ -210,7 +211,7 @@ class GrpcTransport(HeartbeatNews):
         while True:
             attempts += 1
             try:
-                reply = self._join_once(request)
+                reply = self._join_once(request, initial)
             except grpc.RpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.ABORTED:  # our upload of the initial model was taken over: join again
@@ -270,8 +271,9 @@ class GrpcTransport(HeartbeatNews):
             f"{self.connect_timeout:.0f}s ({e.details()}); start it with `diloco syncer --listen {self.address}` "
             f"or check the address, port and firewall" + hint)
 
-    def _join_once(self, request: pb.JoinRequest) -> JoinInfo | pb.JoinHeader:
-        """One Join from scratch: the model (JoinInfo), or the header alone when the syncer has no model yet."""
+    def _join_once(self, request: pb.JoinRequest, initial) -> JoinInfo | pb.JoinHeader:
+        """One Join from scratch: the model (JoinInfo), or the header alone when the syncer has no model yet. The
+        fragments the syncer marks as held are taken from `initial`, our own values, which our digests described."""
         self.bytes_sent += wire_size(request)
         progress = Progress(self.stall_timeout)
         header, assembler, fragments = None, Assembler(self._max_payload), []
@@ -287,6 +289,8 @@ class GrpcTransport(HeartbeatNews):
                         if header.need_init or header.init_wait:
                             call.cancel()
                             return header
+                    elif reply.blob.held:
+                        fragments.append(self._held(reply.blob, header, request, initial))
                     else:
                         progress.moved(len(reply.blob.data))
                         done = assembler.add(reply.blob)
@@ -305,6 +309,19 @@ class GrpcTransport(HeartbeatNews):
             raise SyncerError(f"the syncer at {self.address} sent push-schedule position {start}, outside 1..H = "
                               f"1..{config.sync_every}: it is faulty or not a diloco syncer of this version")
         return JoinInfo(config, header.session, fragments, header.data_position, start)
+
+    def _held(self, blob: pb.Blob, header: pb.JoinHeader | None, request: pb.JoinRequest, initial):
+        """(fragment, version, values) of a fragment the syncer says we hold: our own, checked to be what it means."""
+        ours = initial(SyncConfig.from_json(header.config_json).fragments) if header is not None else []
+        if not request.held or blob.version != 0 or blob.fragment >= len(ours):  # P fragments, then buffers, static
+            raise SyncerError(f"the syncer at {self.address} marked fragment {blob.fragment} (version {blob.version}) "
+                              f"of {len(ours)} as already held, which this learner cannot be: it is faulty or not a "
+                              f"diloco syncer of this version")
+        values = ours.flat(blob.fragment)
+        if values.numel() != blob.numel:
+            raise SyncerError(f"the syncer at {self.address} marked fragment {blob.fragment} as held with {blob.numel} "
+                              f"values, but it has {values.numel()} here: it is faulty or the models differ")
+        return blob.fragment, 0, values
 
     def _metered(self, messages, progress: Progress, payload_bytes):
         """Yields `messages` as gRPC takes them to send: bytes and progress count then, not when they are built."""

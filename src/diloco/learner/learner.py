@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from diloco.config import SyncConfig
-from diloco.fragments import Fragment, fit_fragments, full, gather, named_state, plan_fragments, scatter, tensor_specs
+from diloco.fragments import Fragment, full, named_state, plan_fragments, scatter, tensor_specs
 from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restore_switch_interval
+from diloco.learner.initial import InitialModel
 from diloco.learner.island import Island
 from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, kept_progress, snapshot, to_device
 from diloco.learner.transport import Arrival, PushJob, Receiver, SyncerError, Transport
@@ -63,21 +64,6 @@ def _refuse_lone_rank(model: nn.Module) -> None:
         if ranks > 1:
             raise ValueError(f"this model is DistributedDataParallel over {ranks} ranks: create the Learner on every "
                              f"rank with process_group=... (the DDP group), or the ranks would drift apart")
-
-
-class InitialValues:
-    """This learner's values as the initial global model, fragment by fragment: each flat fp32 copy is made when it
-    is read and dropped after, so uploading a big model never holds a second copy of it."""
-
-    def __init__(self, layout: list[Fragment], state: dict[str, torch.Tensor]):
-        self.layout, self.state = layout, state
-
-    def __len__(self) -> int:
-        return len(self.layout)
-
-    def __iter__(self):
-        for f in self.layout:
-            yield gather(self.state, f)
 
 
 class Learner:
@@ -190,11 +176,8 @@ class Learner:
     def _pushable(self, fragment: Fragment) -> bool:
         return fragment.role == "params" or (fragment.role == "buffers" and self.config.sync_buffers)
 
-    def _initial_fragments(self, state: dict[str, torch.Tensor]):
-        def initial(num_fragments: int) -> InitialValues:
-            return InitialValues(plan_fragments(self.specs, fit_fragments(self.specs, num_fragments)), state)
-
-        return initial
+    def _initial_fragments(self, state: dict[str, torch.Tensor]) -> InitialModel:
+        return InitialModel(self.specs, state)
 
     def _state(self) -> dict[str, torch.Tensor]:
         """The model's tensors by name, checked against what it joined with."""

@@ -56,6 +56,10 @@ def register(sub, add_sync_options, add_train_options) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no live display")
     p.add_argument("--snapshots", type=int, default=8, help="global-model snapshots for the eval-loss curve (8)")
+    p.add_argument("--initial-model", choices=("upload", "file"), default="upload",
+                   help="upload: the first learner uploads the model it built (default); file: the model built from "
+                        "the seed is written to RUN/initial-model.safetensors and the syncer starts from it (diloco "
+                        "syncer --initial-model), so no initial model crosses the network")
     c = p.add_argument_group("faults")
     c.add_argument("--chaos", metavar="SCENARIO",
                    help="inject real faults: kill-one, rolling-kills, hang, straggler, syncer-crash, partition, random, "

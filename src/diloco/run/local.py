@@ -64,6 +64,8 @@ class Plan:
     """One-way delay that a proxy adds to each learner's connections to the syncer (not in dp)."""
     snapshots: int = 8
     """Global-model snapshots over the budget, for the eval-loss curve (`--snapshots`; dp: every steps/N steps)."""
+    initial_model: Path | None = None
+    """The syncer's --initial-model: the built-in model as learners build it, written into the run (None: uploaded)."""
 
 
 def make_plan(args) -> Plan:
@@ -107,8 +109,12 @@ def make_plan(args) -> Plan:
         raise ValueError(f"run directory {out} exists and is not empty; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(train_config_to_json(train))
+    initial_model = None
     if args.mode != "dp":
         (out / "sync_config.json").write_text(sync.to_json())
+        if getattr(args, "initial_model", "upload") == "file":
+            initial_model = out / "initial-model.safetensors"
+            save_built_in_model(train, initial_model)
     faults = None
     if args.chaos:
         from diloco.chaos.schedule import load
@@ -126,7 +132,17 @@ def make_plan(args) -> Plan:
     pace = None if pace == "off" else pace
     return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
                 faults, tensorboard=getattr(args, "tensorboard", None), syncer_shards=shards, pace=pace, link=link,
-                link_latency_ms=latency, snapshots=max(1, getattr(args, "snapshots", 8)))
+                link_latency_ms=latency, snapshots=max(1, getattr(args, "snapshots", 8)), initial_model=initial_model)
+
+
+def save_built_in_model(train: TrainConfig, path: Path) -> None:
+    """The built-in model exactly as every learner builds it from the seed, as a safetensors file."""
+    from safetensors.torch import save_file
+
+    from diloco.train.model import build_model
+
+    state = build_model(train.model, train.seed).state_dict()
+    save_file({name: t.detach().clone().contiguous() for name, t in state.items()}, str(path))  # clones: no shared storage
 
 
 def network(args) -> tuple[float | None, float]:
@@ -284,6 +300,8 @@ def run_local(args) -> int:
 def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None, links=None):
     syncer_dir = plan.out / "syncer"
     syncer_args = ["--sync-config", str(plan.out / "sync_config.json")]
+    if plan.initial_model:
+        syncer_args += ["--initial-model", str(plan.initial_model)]
     if plan.tokens:
         syncer_args += ["--tokens", str(plan.tokens)]
     if plan.duration:

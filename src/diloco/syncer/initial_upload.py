@@ -6,12 +6,15 @@ next joiner. What it sends is checked against its own tensor specs before anythi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import grpc
 
 from diloco import codec
+from diloco.digest import fragment_digests
+from diloco.syncer import initial_model
 from diloco.syncer.core import Refused
 from diloco.syncer.guard import guarded
 from diloco.wire import diloco_pb2 as pb
@@ -28,7 +31,7 @@ INIT_IDLE_STALLS = 10
 
 class InitialUpload:
     """Init and its lease; mixed into SyncerService, whose state (`_init_owner`, `_init_lease`, `_init_active_at`,
-    `core`, `stall_timeout`) and helpers (`_chunks`, `_idle`, `_refuse`, `_core`, `_check_token`, `_check_id`,
+    `_initial_digests`, `core`, `stall_timeout`) and helpers (`_chunks`, `_idle`, `_refuse`, `_core`, `_check_token`, `_check_id`,
     counting) it uses."""
 
     def _take_init_lease(self, learner_id: str) -> str:
@@ -101,7 +104,7 @@ class InitialUpload:
             await self._check_init_lease(first.learner_id, lease, context)
             try:
                 ordered = [flats[i] for i in range(len(flats))]
-                adopted = await self._core(self.core.initialize, specs_from_proto(first.specs), ordered)
+                adopted = await self._core(self._adopt, specs_from_proto(first.specs), ordered)
             except (Refused, KeyError, ValueError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot initialise the global model: {e}")
             if adopted:
@@ -114,6 +117,32 @@ class InitialUpload:
             elif first is not None and self._init_lease == lease and self._init_owner == first.learner_id:
                 log.warning("learner %s's upload of the initial model failed; the next joiner uploads it", first.learner_id)
                 self._init_owner = None  # failed: the lease passes to the next joiner
+
+    async def _initialise_from_file(self, learner_id: str, specs, context) -> None:
+        """Adopt --initial-model's values, laid out by the first joiner's specs: nobody uploads. A joiner whose model
+        the file does not fit is refused, and the file waits for the next."""
+        source = self._initial_file
+        try:
+            flats = await asyncio.to_thread(initial_model.fragment_values, specs, self.core.cfg.fragments, source)
+            adopted = await self._core(self._adopt, specs, flats)
+        except (ValueError, Refused) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"the model of learner {shown(learner_id)} does not match the syncer's --initial-model "
+                f"{source.path.name}: {e}; load the same model (architecture and names) on the learner, or start "
+                f"the syncer without --initial-model"))
+        if adopted:
+            log.info("global model initialised from %s (%d fragments), laid out by learner %s", source.path,
+                     len(self.core.fragments), learner_id)
+        self._initial_file = None  # the core holds its values now
+
+    def _adopt(self, specs, flats) -> bool:
+        """`core.initialize`, and the digests of what it adopted, taken on the core worker before any join can be
+        served: a fragment is skipped for a joiner only while it still holds exactly these values (version 0)."""
+        adopted = self.core.initialize(specs, flats)
+        if adopted:
+            owned = [(fs.fragment, flat) for fs, flat in zip(self.core.fragments, flats) if self.core.owns(fs.fragment.index)]
+            self._initial_digests = fragment_digests([f for f, _ in owned], [flat for _, flat in owned])
+        return adopted
 
     def _init_budget(self, request: pb.JoinRequest) -> int:
         """Bytes an initial upload may carry: every tensor its specs name, in fp32, plus slack per fragment."""

@@ -22,6 +22,7 @@ from diloco.atomic import write_json
 from diloco.syncer.model_file import save_model
 from diloco.config import SyncConfig
 from diloco.syncer.annotations import MAX_BODY, Annotations
+from diloco.syncer import initial_model
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
@@ -71,6 +72,8 @@ class ServerOptions:
     """(i, N): serve only the fragments p with p mod N = i, as one of N syncer processes (--shard i/N)."""
     allow_takeover: bool = False
     """A Join under an id the syncer sees live supersedes that learner even without its session secret."""
+    initial_model: Path | None = None
+    """A safetensors file with the initial global model (--initial-model): no learner uploads it."""
 
 
 HTTP_TIMEOUT = 10.0
@@ -255,9 +258,14 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     if opts.out:
         core.tape = Tape(opts.out / "tape.jsonl")
         core.tape.record("start", shard=list(opts.shard), config=json.loads(core.cfg.to_json()), rounds=core.rounds)
+    initial = None
+    if opts.initial_model and core.initialized:
+        log.info("resumed from state: --initial-model %s is not used", opts.initial_model)
+    elif opts.initial_model:
+        initial = initial_model.load(opts.initial_model)
     metrics = SyncerMetrics()
     service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout,
-                            allow_takeover=opts.allow_takeover)
+                            allow_takeover=opts.allow_takeover, initial_model=initial)
     if on_service:
         on_service(service)
     server = grpc.aio.server(options=SERVER_OPTIONS)

@@ -25,10 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from diloco import codec
+from diloco.digest import check_held, held_fragments
 from diloco.syncer import memory
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
 from diloco.syncer.downlink import Publication
 from diloco.syncer.guard import ShuttingDown, guarded, short
+from diloco.syncer.initial_model import InitialModelFile
 from diloco.syncer.initial_upload import IDLE, InitialUpload
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
@@ -46,10 +48,11 @@ EXPIRY_SECONDS = 10.0
 
 class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
-                 allow_takeover: bool = False):
+                 allow_takeover: bool = False, initial_model: InitialModelFile | None = None):
         """`stall_timeout`: seconds the learner uploading the initial model may send nothing before another joiner
         takes the upload over; also how long any client stream (Init, Push) may send nothing before it is ended.
-        `allow_takeover`: a Join under a live id supersedes it without that learner's session secret."""
+        `allow_takeover`: a Join under a live id supersedes it without that learner's session secret.
+        `initial_model`: the initial global model from a file (--initial-model): no learner uploads it."""
         self.core = core
         self.metrics = metrics
         self.token = token
@@ -77,6 +80,10 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         """Counts lease grants: an Init runs under the grant current at its start and ends when it is superseded."""
         self._init_active_at = 0.0
         """When the lease owner last made progress (the grant, or an Init chunk received)."""
+        self._initial_file = None if core.initialized else initial_model
+        self._initial_digests: dict[str, bytes] = {}
+        """Digests of the initial model by tensor name, while this process has them (a joiner holding the same
+        values is not sent the fragments still at version 0): empty after a restart from --state."""
         self.wake = asyncio.Event()
         self._samples: dict[str, tuple[str, bounds.Sample]] = {}
         """Per learner: (session, its last accepted heartbeat counters), for the rate bound on them."""
@@ -222,8 +229,11 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         await self._check_id(context, request.learner_id)
         try:
             specs = specs_from_proto(request.specs)
+            held = check_held(specs, list(request.held))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad model description: {e}")
+        if not self.core.initialized and self._initial_file is not None:
+            await self._initialise_from_file(request.learner_id, specs, context)
         if not self.core.initialized:
             yield self._count_out(pb.JoinReply(header=self._init_header(request.learner_id)))
             return
@@ -250,7 +260,9 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         # a new Learner's counters start at 0: its heartbeats may grow them only at a plausible rate from here
         self._samples[request.learner_id] = (session, bounds.Sample(0, 0, time.monotonic()))
         log.info("learner %s joined", request.learner_id)
-        total = sum(codec.encoded_size(values.numel(), "fp32") for _, _, values in snapshot)
+        kept = held_fragments([(self.core.fragments[i].fragment, version) for i, version, _ in snapshot],
+                              self._initial_digests, held)
+        total = sum(codec.encoded_size(values.numel(), "fp32") for i, _, values in snapshot if i not in kept)
         header = pb.JoinHeader(session=session, config_json=self.core.cfg.to_json(), fragments=len(snapshot),
                                data_position=record.data_position, total_bytes=total,
                                start_position=record.start_position)
@@ -258,10 +270,14 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             yield self._count_out(pb.JoinReply(header=header))
             while snapshot:  # each fragment given back once sent: a join holds at most what rounds replaced meanwhile
                 index, version, values = snapshot[0]
-                encoded = await asyncio.to_thread(codec.view_fp32, values)  # its checksum, off the loop; no copy
-                for blob in blobs(index, version, encoded):
-                    yield self._count_out(pb.JoinReply(blob=blob))
-                del encoded
+                if index in kept:  # the joiner keeps its own values, equal to these by their digests
+                    yield self._count_out(pb.JoinReply(blob=pb.Blob(fragment=index, version=version, codec="fp32",
+                                                                    numel=values.numel(), held=True)))
+                else:
+                    encoded = await asyncio.to_thread(codec.view_fp32, values)  # its checksum, off the loop; no copy
+                    for blob in blobs(index, version, encoded):
+                        yield self._count_out(pb.JoinReply(blob=blob))
+                    del encoded
                 snapshot.pop(0)
                 self.core.fragments[index].give_back(values)
                 del values

@@ -23,7 +23,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., embedding: _Optional[bool] = ..., kind: _Optional[str] = ..., alias_of: _Optional[str] = ...) -> None: ...
 
 class Blob(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "numel", "total_bytes", "checksum", "offset", "data", "full", "result_checksum", "refused", "seq", "compression")
+    __slots__ = ("fragment", "version", "codec", "numel", "total_bytes", "checksum", "offset", "data", "full", "result_checksum", "refused", "seq", "compression", "held")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class Blob(_message.Message):
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -50,19 +51,22 @@ class Blob(_message.Message):
     refused: str
     seq: int
     compression: str
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., full: _Optional[bool] = ..., result_checksum: _Optional[int] = ..., refused: _Optional[str] = ..., seq: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
+    held: bool
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., full: _Optional[bool] = ..., result_checksum: _Optional[int] = ..., refused: _Optional[str] = ..., seq: _Optional[int] = ..., compression: _Optional[str] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "specs", "token", "session")
+    __slots__ = ("learner_id", "specs", "token", "session", "held")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SPECS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     token: str
     session: str
-    def __init__(self, learner_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., token: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    held: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, learner_id: _Optional[str] = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., token: _Optional[str] = ..., session: _Optional[str] = ..., held: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
     __slots__ = ("session", "config_json", "fragments", "data_position", "need_init", "total_bytes", "init_wait", "init_owner", "start_position")

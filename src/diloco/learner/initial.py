@@ -1,0 +1,44 @@
+"""A learner's own values, offered as the initial global model and described by their digests."""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.digest import tensor_digests
+from diloco.fragments import Fragment, TensorSpec, fit_fragments, gather, plan_fragments
+
+
+class InitialValues:
+    """This learner's values as the initial global model, fragment by fragment: each flat fp32 copy is made when it
+    is read and dropped after, so uploading a big model never holds a second copy of it."""
+
+    def __init__(self, layout: list[Fragment], state: dict[str, torch.Tensor]):
+        self.layout, self.state = layout, state
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __iter__(self):
+        for f in self.layout:
+            yield gather(self.state, f)
+
+    def flat(self, index: int) -> torch.Tensor:
+        """Fragment `index`'s values (a fresh fp32 copy)."""
+        return gather(self.state, self.layout[index])
+
+
+class InitialModel:
+    """What a joining learner holds: `model(P)` gives its values in P fragments (to upload, or to keep where the
+    syncer finds it already holds them), `digests()` one digest per tensor spec (computed once)."""
+
+    def __init__(self, specs: list[TensorSpec], state: dict[str, torch.Tensor]):
+        self.specs, self.state = specs, state
+        self._digests: list[bytes] | None = None
+
+    def __call__(self, num_fragments: int) -> InitialValues:
+        return InitialValues(plan_fragments(self.specs, fit_fragments(self.specs, num_fragments)), self.state)
+
+    def digests(self) -> list[bytes]:
+        if self._digests is None:
+            self._digests = tensor_digests(self.specs, self.state)
+        return self._digests
