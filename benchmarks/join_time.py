@@ -94,8 +94,8 @@ def measure_link(bandwidth: float | None, checkpoint: Path) -> list[dict]:
     options = transport_options(fp32_bytes(), bandwidth)
     link = "loopback" if bandwidth is None else f"{8 * bandwidth / 1e6:g} Mbit/s"
     results = []
-    for syncer_options, learners in (({}, [("first", 0), ("same seed", 0), ("other seed", 1)]),
-                                     ({"initial_model": checkpoint}, [("from checkpoint", 0)])):
+    for syncer_options, learners in (({}, [("first", 0), ("same-seed", 0), ("other-seed", 1)]),
+                                     ({"initial_model": checkpoint}, [("from-checkpoint", 0)])):
         with SyncerProcess(learners=2, options=syncer_options) as syncer:
             proxy = ProxyThread(syncer.address, faults=LinkFaults(bandwidth_bps=bandwidth)) if bandwidth else None
             try:

@@ -37,6 +37,7 @@ def run_cli(capsys, *argv):
     (["run", "--lr-decay", "1.5"], "--lr-decay must be between 0 and 1"),
     (["run", "--pace", "-1"], "--pace must be a positive number of seconds, auto or off"),
     (["run", "--syncer-shards", "0"], "--syncer-shards must be at least 1"),
+    (["run", "--mode", "dp", "--initial-model", "file"], "--initial-model file applies to runs with a syncer"),
     (["run", "--syncer-shards", "2", "--chaos", "syncer-crash"], "take one syncer; drop --syncer-shards"),
     (["run", "--publish-to", "live"], "--publish-to live needs --down-codec fp32"),
     (["syncer", "--shard", "2/2"], "need 0 ≤ I < N"),

@@ -94,6 +94,8 @@ def make_plan(args) -> Plan:
         raise ValueError(f"--syncer-shards must be at least 1, got {shards}")
     if shards > 1 and args.mode == "dp":
         raise ValueError("--syncer-shards applies to runs with a syncer; --mode dp has none")
+    if getattr(args, "initial_model", "upload") == "file" and args.mode == "dp":
+        raise ValueError("--initial-model file applies to runs with a syncer; --mode dp's workers each build the model")
     link, latency = network(args)
     train = train_config(args)
     if args.model == "tiny":
