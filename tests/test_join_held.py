@@ -1,6 +1,8 @@
 """A joiner that already holds the initial model (same seed, same checkpoint) is not sent it again: its digests
 say so, the syncer skips every fragment still at version 0 that matches, and anything else is sent as before."""
 
+import logging
+
 import grpc
 import pytest
 import torch
@@ -49,7 +51,8 @@ def test_malformed_digests_are_refused_with_what_is_wrong():
         check_held(specs, [b"", b""])
 
 
-def test_learners_with_the_same_initial_model_download_none_of_it():
+def test_learners_with_the_same_initial_model_download_none_of_it(caplog):
+    caplog.set_level(logging.INFO, logger="diloco")
     size = model_bytes(wide(seed=1))
     with syncer_running() as syncer, proxy_to(syncer.address) as p0, proxy_to(syncer.address) as p1, \
             proxy_to(syncer.address) as p2:
@@ -59,6 +62,7 @@ def test_learners_with_the_same_initial_model_download_none_of_it():
         twin = Learner(twin_model, GrpcTransport(p1.address), "b")  # built the same way: nothing to download
         assert p1.bytes_down < size / 10 and p1.bytes_up < size / 10
         assert same(params(twin_model), params(wide(seed=1)))
+        assert "learner b joined (2 of 2 fragments already held: not sent)" in caplog.text
         other_model = wide(seed=2)
         other = Learner(other_model, GrpcTransport(p2.address), "c")  # different values: sent the whole model
         assert p2.bytes_down >= size

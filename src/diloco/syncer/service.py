@@ -259,9 +259,10 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         self._queues[request.learner_id] = self._new_queue()
         # a new Learner's counters start at 0: its heartbeats may grow them only at a plausible rate from here
         self._samples[request.learner_id] = (session, bounds.Sample(0, 0, time.monotonic()))
-        log.info("learner %s joined", request.learner_id)
         kept = held_fragments([(self.core.fragments[i].fragment, version) for i, version, _ in snapshot],
                               self._initial_digests, held)
+        log.info("learner %s joined%s", request.learner_id,
+                 f" ({len(kept)} of {len(snapshot)} fragments already held: not sent)" if kept else "")
         total = sum(codec.encoded_size(values.numel(), "fp32") for i, _, values in snapshot if i not in kept)
         header = pb.JoinHeader(session=session, config_json=self.core.cfg.to_json(), fragments=len(snapshot),
                                data_position=record.data_position, total_bytes=total,
