@@ -58,7 +58,8 @@ def check_held(specs: list[TensorSpec], held: list[bytes]) -> dict[str, bytes]:
     return {s.name: d for s, d in zip(specs, held) if s.kind != "alias"}
 
 
-def held_fragments(fragments: Iterable[tuple[Fragment, int]], initial: dict[str, bytes], held: dict[str, bytes]) -> set[int]:
+def held_fragments(fragments: Iterable[tuple[Fragment, int]], initial: dict[str, bytes],
+                   held: dict[str, bytes]) -> set[int]:
     """The fragments a joiner already holds: still at version 0 (`fragments` gives each with its version), with
     every tensor's digest equal to the initial model's."""
     if not initial or not held:

@@ -31,8 +31,8 @@ INIT_IDLE_STALLS = 10
 
 class InitialUpload:
     """Init and its lease; mixed into SyncerService, whose state (`_init_owner`, `_init_lease`, `_init_active_at`,
-    `_initial_digests`, `core`, `stall_timeout`) and helpers (`_chunks`, `_idle`, `_refuse`, `_core`, `_check_token`, `_check_id`,
-    counting) it uses."""
+    `_initial_file`, `_initial_digests`, `core`, `stall_timeout`) and helpers (`_chunks`, `_idle`, `_refuse`, `_core`,
+    `_check_token`, `_check_id`, counting) it uses."""
 
     def _take_init_lease(self, learner_id: str) -> str:
         """The learner that uploads the initial model: the first joiner, until its upload fails or sends nothing
@@ -140,7 +140,8 @@ class InitialUpload:
         served: a fragment is skipped for a joiner only while it still holds exactly these values (version 0)."""
         adopted = self.core.initialize(specs, flats)
         if adopted:
-            owned = [(fs.fragment, flat) for fs, flat in zip(self.core.fragments, flats) if self.core.owns(fs.fragment.index)]
+            owned = [(fs.fragment, flat) for fs, flat in zip(self.core.fragments, flats)
+                     if self.core.owns(fs.fragment.index)]
             self._initial_digests = fragment_digests([f for f, _ in owned], [flat for _, flat in owned])
         return adopted
 
