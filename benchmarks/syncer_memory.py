@@ -65,7 +65,7 @@ def measure(learners: int, rounds: int) -> dict:
     import torch
 
     from diloco.config import for_mode
-    from diloco.fragments import fit_fragments, plan_fragments
+    from diloco.fragments import fitted_layout
     from diloco.syncer.core import SyncerCore
 
     specs, source = gpt2_specs()
@@ -73,7 +73,7 @@ def measure(learners: int, rounds: int) -> dict:
     baseline = peak_rss_bytes()
     cfg = for_mode("decoupled", learners, grace=0.0)
     core = SyncerCore(cfg)
-    layout = plan_fragments(specs, fit_fragments(specs, cfg.fragments))
+    layout = fitted_layout(specs, cfg.fragments)
     core.initialize(specs, [torch.zeros(f.numel) for f in layout])
     sessions = {f"l{i}": core.join(f"l{i}", specs) for i in range(learners)}
     rng = np.random.default_rng(0)

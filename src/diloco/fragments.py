@@ -163,6 +163,12 @@ def fit_fragments(specs: list[TensorSpec], num_fragments: int) -> int:
     return num_fragments
 
 
+def fitted_layout(specs: list[TensorSpec], num_fragments: int) -> list[Fragment]:
+    """The layout the syncer adopts for `num_fragments` (lowered as `fit_fragments` does): what a learner offering
+    its initial values and a syncer laying out a checkpoint must both derive."""
+    return plan_fragments(specs, fit_fragments(specs, num_fragments))
+
+
 def plan_fragments(specs: list[TensorSpec], num_fragments: int) -> list[Fragment]:
     """Balanced layout of the trained parameters: embeddings apart, the rest by longest-processing-time greedy on
     element count; then one fragment of floating-point buffers and one of static tensors, when the model has any.

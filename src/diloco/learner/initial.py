@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from diloco.digest import tensor_digests
-from diloco.fragments import Fragment, TensorSpec, fit_fragments, gather, plan_fragments
+from diloco.fragments import Fragment, TensorSpec, fitted_layout, gather
 
 
 class InitialValues:
@@ -29,14 +29,17 @@ class InitialValues:
 
 class InitialModel:
     """What a joining learner holds: `model(P)` gives its values in P fragments (to upload, or to keep where the
-    syncer finds it already holds them), `digests()` one digest per tensor spec (computed once)."""
+    syncer finds it already holds them), `digests()` one digest per tensor spec. Each is worked out once."""
 
     def __init__(self, specs: list[TensorSpec], state: dict[str, torch.Tensor]):
         self.specs, self.state = specs, state
         self._digests: list[bytes] | None = None
+        self._layouts: dict[int, InitialValues] = {}
 
     def __call__(self, num_fragments: int) -> InitialValues:
-        return InitialValues(plan_fragments(self.specs, fit_fragments(self.specs, num_fragments)), self.state)
+        if num_fragments not in self._layouts:
+            self._layouts[num_fragments] = InitialValues(fitted_layout(self.specs, num_fragments), self.state)
+        return self._layouts[num_fragments]
 
     def digests(self) -> list[bytes]:
         if self._digests is None:

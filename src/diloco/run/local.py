@@ -139,12 +139,11 @@ def make_plan(args) -> Plan:
 
 def save_built_in_model(train: TrainConfig, path: Path) -> None:
     """The built-in model exactly as every learner builds it from the seed, as a safetensors file."""
-    from safetensors.torch import save_file
-
+    from diloco.atomic import save_tensors
     from diloco.train.model import build_model
 
     state = build_model(train.model, train.seed).state_dict()
-    save_file({name: t.detach().clone().contiguous() for name, t in state.items()}, str(path))  # clones: no shared storage
+    save_tensors(path, {name: t.clone() for name, t in state.items()})  # clones: a tied head shares no storage
 
 
 def network(args) -> tuple[float | None, float]:

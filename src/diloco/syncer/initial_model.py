@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.fragments import TensorSpec, fit_fragments, plan_fragments
+from diloco.fragments import TensorSpec, fitted_layout
 
 log = logging.getLogger("diloco.syncer")
 
@@ -60,5 +60,5 @@ def fragment_values(specs: list[TensorSpec], fragments: int, source: InitialMode
     if unused:
         log.warning("--initial-model %s: %d tensors the model does not have are ignored (e.g. %r)", source.path,
                     len(unused), sorted(unused)[0])
-    layout = plan_fragments(specs, fit_fragments(specs, fragments))
-    return [torch.cat([source.tensors[s.name].reshape(-1).to(torch.float32) for s in f.specs]) for f in layout]
+    return [torch.cat([source.tensors[s.name].reshape(-1).to(torch.float32) for s in f.specs])
+            for f in fitted_layout(specs, fragments)]
