@@ -36,8 +36,8 @@ from diloco.train.model import build_model
 class ManualAdamW:
     """AdamW over a list of models' parameters, one (m, v) per model, so that v may follow another gradient."""
 
-    def __init__(self, models, cfg: TrainConfig):
-        self.cfg = cfg
+    def __init__(self, models, cfg: TrainConfig, lr_scale: float = 1.0):
+        self.cfg, self.lr_scale = cfg, lr_scale
         self.params = [[p for p in m.parameters() if p.requires_grad] for m in models]
         self.m = [[torch.zeros_like(p) for p in ps] for ps in self.params]
         self.v = [[torch.zeros_like(p) for p in ps] for ps in self.params]
@@ -47,6 +47,7 @@ class ManualAdamW:
     def step(self, grads, v_grads, lr: float) -> None:
         """grads[i][k]: model i's gradient of parameter k; v_grads the same for its second moment."""
         b1, b2 = self.cfg.betas
+        lr *= self.lr_scale
         self.t += 1
         c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
         for i, ps in enumerate(self.params):
@@ -75,13 +76,16 @@ def average_into(models) -> None:
             p.copy_(mean)
 
 
-def run(variant: str, cfg: TrainConfig, learners: int, tokens: int, sync_every: int) -> float:
+def run(variant: str, cfg: TrainConfig, learners: int, tokens: int, sync_every: int,
+        learner_cfg: TrainConfig | None = None, lr_scale: float = 1.0) -> float:
+    """learner_cfg / lr_scale: the local variants' AdamW settings where they differ from dp's."""
     corpus = Corpus.from_config(cfg)
     samplers = [ShardSampler(corpus.train, i, learners, cfg.model.seq_len, cfg.batch_size, cfg.seed)
                 for i in range(learners)]
     steps = tokens // (learners * cfg.tokens_per_step())
     models = [build_model(cfg.model, cfg.seed) for _ in range(1 if variant == "dp" else learners)]
-    optimizer = ManualAdamW(models, cfg)
+    optimizer = ManualAdamW(models, cfg) if variant == "dp" else \
+        ManualAdamW(models, learner_cfg or cfg, lr_scale)
     h = 1 if variant == "local-H1" else sync_every
     for step in range(steps):
         lr = lr_at(step, cfg, step / steps)
@@ -115,6 +119,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=1_600_000)
     p.add_argument("--sync-every", type=int, default=24)
     p.add_argument("--variants", default="dp,local,local-shared-v,local-H1")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per learner step")
+    p.add_argument("--learner-beta2", type=float, help="the local variants' AdamW beta2 (dp keeps its own)")
+    p.add_argument("--learner-lr-scale", type=float, default=1.0, help="the local variants' lr over dp's")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -122,9 +129,10 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
     for seed in seeds:
-        cfg = replace(TrainConfig(model=TINY), seed=seed)
+        cfg = replace(TrainConfig(model=TINY), seed=seed, batch_size=args.batch_size)
+        learner_cfg = replace(cfg, betas=(cfg.betas[0], args.learner_beta2)) if args.learner_beta2 else cfg
         for variant in variants:
-            loss = run(variant, cfg, args.learners, args.tokens, args.sync_every)
+            loss = run(variant, cfg, args.learners, args.tokens, args.sync_every, learner_cfg, args.learner_lr_scale)
             results["runs"][f"{variant}@{seed}"] = loss
             print(f"{variant}@{seed}: {loss:.4f}", file=sys.stderr, flush=True)
             if args.json:

@@ -41,3 +41,13 @@ def test_learners_sharing_v_and_averaging_every_step_are_data_parallel():
     dp = bench.run("dp", cfg, 4, tokens, 24)
     assert abs(bench.run("local-shared-v", cfg, 4, tokens, 1) - dp) < 1e-4
     assert abs(bench.run("local", cfg, 4, tokens, 1) - dp) > 1e-3  # each learner's own v: not dp
+
+
+def test_the_learner_knobs_change_the_learners_and_not_dp():
+    cfg = replace(TrainConfig(model=TINY), grad_clip=0.0)
+    tokens = 6 * 4 * cfg.tokens_per_step()
+    scaled = replace(cfg, lr=2 * cfg.lr)  # lr × 2 by the knob is lr × 2 in the config
+    assert abs(bench.run("local", cfg, 4, tokens, 1, lr_scale=2.0) - bench.run("local", scaled, 4, tokens, 1)) < 1e-5
+    assert abs(bench.run("local", cfg, 4, tokens, 1, lr_scale=2.0) - bench.run("local", cfg, 4, tokens, 1)) > 1e-3
+    other = replace(cfg, betas=(0.9, 0.99))
+    assert bench.run("dp", cfg, 4, tokens, 24, other, 2.0) == bench.run("dp", cfg, 4, tokens, 24)
