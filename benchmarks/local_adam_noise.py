@@ -88,7 +88,7 @@ def run(variant: str, cfg: TrainConfig, learners: int, tokens: int, sync_every: 
         ManualAdamW(models, learner_cfg or cfg, lr_scale)
     h = 1 if variant == "local-H1" else sync_every
     for step in range(steps):
-        lr = lr_at(step, cfg, step / steps)
+        lr = lr_at(step, cfg, step / steps)  # one schedule for every variant (--decay-fraction sets it)
         batches = [s.next_batch() for s in samplers]
         if variant == "dp":  # DDP: the workers' gradients averaged, then clipped
             models[0].zero_grad(set_to_none=True)
@@ -122,6 +122,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per learner step")
     p.add_argument("--learner-beta2", type=float, help="the local variants' AdamW beta2 (dp keeps its own)")
     p.add_argument("--learner-lr-scale", type=float, default=1.0, help="the local variants' lr over dp's")
+    p.add_argument("--decay-fraction", type=float, default=TrainConfig.decay_fraction,
+                   help="share of the run over which every variant's lr decays (dp's too)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -129,7 +131,7 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
     for seed in seeds:
-        cfg = replace(TrainConfig(model=TINY), seed=seed, batch_size=args.batch_size)
+        cfg = replace(TrainConfig(model=TINY), seed=seed, batch_size=args.batch_size, decay_fraction=args.decay_fraction)
         learner_cfg = replace(cfg, betas=(cfg.betas[0], args.learner_beta2)) if args.learner_beta2 else cfg
         for variant in variants:
             loss = run(variant, cfg, args.learners, args.tokens, args.sync_every, learner_cfg, args.learner_lr_scale)

@@ -88,7 +88,7 @@ def test_paced_learners_have_fixed_capacities_and_goodput_at_most_one(tmp_path):
 
 
 def test_a_run_with_two_syncer_shards_trains_and_reports_as_one(tmp_path):
-    report, out = diloco_run(tmp_path, "--learners", "2", "--syncer-shards", "2", "--steps", "24",
+    report, out = diloco_run(tmp_path, "--learners", "2", "--syncer-shards", "2", "--steps", "48",
                              "--fragments", "4", "--sync-every", "4", "--initial-model", "file")
     assert (out / "initial-model.safetensors").exists()  # each shard started from it: no model crossed the wire
     assert "init" not in report["wire_parts"] and "payload:fp32" not in report["wire_parts"]["join"]
@@ -98,7 +98,7 @@ def test_a_run_with_two_syncer_shards_trains_and_reports_as_one(tmp_path):
     assert all(v >= 1 for v in combined["versions"]), combined["versions"]  # every fragment advanced, at its shard
     assert combined["rounds"] == sum(s["rounds"] for s in shards) == report["rounds"]
     assert report["final_eval_loss"] < report["initial_eval_loss"]  # the model assembled from both shards
-    assert all(learner["exit_code"] == 0 and learner["steps"] == 24 for learner in report["per_learner"])
+    assert all(learner["exit_code"] == 0 and learner["steps"] == 48 for learner in report["per_learner"])
 
 
 def test_a_run_writes_tensorboard_curves_for_each_learner_and_the_global_model(tmp_path):

@@ -689,3 +689,30 @@ def test_values_a_join_gave_back_are_changed_in_place_by_the_next_round():
     push(core, "a", s, 2)
     core.poll()
     assert fs.values is values  # given back before the round: no copy of the fragment
+
+
+def test_a_learner_that_left_counts_in_the_share_of_progress_made_while_it_trained():
+    # the last learner to finish a run must not add its final steps as a full outer step: those steps ran beside
+    # the final steps of a learner that already left, whose own last push was merged as a half
+    core, clock = make_core(learners=2, grace=0.0, grace_expect_steps=0.0, outer_momentum=0.0, outer_lr=1.0)
+    sessions = {x: core.join(x, SPECS) for x in "ab"}
+    for x in "ab":
+        core.heartbeat(x, sessions[x], step_seconds=1.0)
+        push(core, x, sessions[x], 1, value=0.0, steps=4, tokens=400)
+        core.poll()
+    clock.now += 4.0
+    push(core, "b", sessions["b"], 2, value=0.0, steps=4, tokens=400)  # b's last progress, then it leaves
+    core.poll()
+    core.leave("b", sessions["b"])
+    clock.now += 1.0  # a's last 4 steps began 3 s before b left
+    before = core.fragments[1].outer_values().clone()
+    push(core, "a", sessions["a"], 2, value=1.0, steps=4, tokens=400)
+    core.poll()
+    assert torch.allclose(core.fragments[1].outer_values(), before - 0.5, atol=1e-6)
+    clock.now += 10.0  # from here a trains alone: its progress is the run's, a full step
+    before = core.fragments[1].outer_values().clone()
+    push(core, "a", sessions["a"], 3, value=1.0, steps=4, tokens=400)
+    core.poll()
+    assert torch.allclose(core.fragments[1].outer_values(), before - 1.0, atol=1e-6)
+    core.join("b", SPECS)  # back: live again, and no longer counted as having left
+    assert core.learners["b"].left_at is None

@@ -223,6 +223,7 @@ class SyncerCore:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
             record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
+            record.left_at = None
             record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None
             self.record_event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
@@ -324,7 +325,8 @@ class SyncerCore:
 
     def leave(self, learner_id: str, session: str) -> None:
         with self.lock:
-            self._record(learner_id, session).left = True
+            record = self._record(learner_id, session)
+            record.left, record.left_at = True, self.clock()
             self.record_event("leave", learner=learner_id)
 
     def live(self) -> frozenset[str]:

@@ -15,6 +15,8 @@ class LearnerRecord:
     """When its current session began (its latest join)."""
     last_seen: float
     left: bool = False
+    left_at: float | None = None
+    """When it last left the run on its own (a leave, not an absence); None while it is in it."""
     step: int = 0
     tokens_trained: int = 0
     tokens_merged: float = 0.0

@@ -133,11 +133,25 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
 
 
 def round_share(core, fs, contributions: list, counted: list[float]) -> float:
-    """Tokens in this round over those plus what each live learner missing from it typically brings."""
+    """Tokens in this round over those plus what each learner missing from it typically brings: the live learners,
+    and those that left while this round's progress was being made. The last pushes of a learner that left were
+    merged beside progress of the others made at the same time, so that progress is not the whole run's: taken
+    as a full step, the last learner to finish a run would add its final steps at M times their weight."""
     tokens = sum(counted)
     if tokens <= 0:
         return 1.0
     present = {c.learner for c in contributions}
     fallback = tokens / len(contributions)
-    missing = sum(core.learners[i].contribution_tokens.value or fallback for i in core.awaited(fs, core.live()) - present)
+    expected = core.awaited(fs, core.live()) | left_during(core, contributions)
+    missing = sum(core.learners[i].contribution_tokens.value or fallback for i in expected - present)
     return tokens / (tokens + missing)
+
+
+def left_during(core, contributions: list) -> set[str]:
+    """Learners that left the run after the earliest progress in `contributions` began (a contribution of s steps
+    that arrived at t began about s of its learner's step times before t). Call with the core's lock held."""
+    starts = [c.arrived_at - c.steps * (core.learners[c.learner].step_time.value or 0.0)
+              for c in contributions if c.arrived_at is not None]  # None: restored after a restart
+    if not starts:
+        return set()
+    return {r.id for r in core.learners.values() if r.left and r.left_at is not None and r.left_at > min(starts)}
