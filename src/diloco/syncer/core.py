@@ -222,8 +222,7 @@ class SyncerCore:
             if record is None:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
-            record.session, record.joined_at, record.last_seen, record.left = session, now, now, False
-            record.left_at = None
+            record.session, record.joined_at, record.last_seen, record.left, record.left_at = session, now, now, False, None
             record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None
             self.record_event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}

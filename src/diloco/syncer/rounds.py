@@ -154,4 +154,4 @@ def left_during(core, contributions: list) -> set[str]:
               for c in contributions if c.arrived_at is not None]  # None: restored after a restart
     if not starts:
         return set()
-    return {r.id for r in core.learners.values() if r.left and r.left_at is not None and r.left_at > min(starts)}
+    return {r.id for r in core.learners.values() if r.left_at is not None and r.left_at > min(starts)}
