@@ -419,14 +419,16 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.run.links import LinkError
     from diloco.run.local import RunFailed
 
+    from diloco import exits
+
     try:
-        return int(args.func(args) or 0)
+        return exits.record(int(args.func(args) or 0))
     except KeyboardInterrupt:
         print("diloco: interrupted", file=sys.stderr)
-        return 130
+        return exits.record(exits.INTERRUPTED)
     except (UserError, ValueError, SyncerError, OSError, RunFailed, LinkError) as e:
         print(f"diloco {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return exits.record(exits.for_error(args.command, e))  # what a scheduler should do: diloco/exits.py
 
 
 if __name__ == "__main__":

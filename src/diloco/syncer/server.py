@@ -166,8 +166,27 @@ def annotate_authorized(client_host: str, authorization: str | None, run_token: 
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), run_token.encode())
 
 
+LIVE_WITHIN = 30.0
+"""/healthz fails when the serving loop has not refreshed the status for this many seconds (a hung event loop)."""
+
+
+def probe(path: str, status: dict, beat: dict) -> tuple[int, bytes] | None:
+    """/healthz (live: the serving loop turns) and /readyz (ready: it accepts joins and is not stopping) for
+    schedulers' probes: no credentials needed, no secrets shown. None for any other path."""
+    if path == "/healthz":
+        ago = time.monotonic() - beat.get("at", float("-inf"))
+        live = ago <= LIVE_WITHIN
+        return (200 if live else 503), json.dumps({"live": live, "refreshed_ago": round(min(ago, 1e9), 3)}).encode()
+    if path == "/readyz":
+        started = bool(status)  # the first refresh comes once the gRPC port listens
+        ready = started and not status.get("stopping", False)
+        body = {"ready": ready, "initialized": bool(status.get("initialized")), "stopping": bool(status.get("stopping"))}
+        return (200 if ready else 503), json.dumps(body).encode()
+    return None
+
+
 def _http_server(address: str, service: SyncerService, status: dict, tokens: list[str],
-                 annotations: Annotations | None = None) -> ThreadingHTTPServer:
+                 annotations: Annotations | None = None, beat: dict | None = None) -> ThreadingHTTPServer:
     host, port = address.rsplit(":", 1)
 
     class Handler(BaseHTTPRequestHandler):
@@ -202,6 +221,10 @@ def _http_server(address: str, service: SyncerService, status: dict, tokens: lis
             self._reply(200, json.dumps(note).encode(), "application/json")
 
         def do_GET(self):  # noqa: N802 (http.server's naming)
+            answer = probe(self.path.split("?", 1)[0], status, beat if beat is not None else {})
+            if answer is not None:  # health probes: open to every client, they show nothing secret
+                self._reply(answer[0], answer[1], "application/json")
+                return
             if not http_authorized(self.client_address[0], self.headers.get("Authorization"), tokens):
                 self.send_response(401)
                 self.send_header("WWW-Authenticate", "Bearer")
@@ -279,8 +302,9 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     await server.start()
     status: dict = {}
     service.annotations = Annotations(tape=core.tape)
-    http = (_http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""], service.annotations)
-            if opts.http else None)
+    beat: dict = {}
+    http = (_http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""], service.annotations,
+                         beat) if opts.http else None)
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
     log.info("syncer listening on %s (gRPC port %d%s, HTTP %s), mode %s", opts.listen, port,
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)
@@ -298,6 +322,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
                           wire_parts=metrics.wire_by_part(), **ready,
                           **health(core))
             metrics.observe_status(status)
+            beat["at"] = time.monotonic()  # /healthz: the loop turns
             if on_status:
                 on_status(dict(status))
             due_time = opts.snapshot_seconds and core.clock() >= next_snapshot
