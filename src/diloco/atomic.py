@@ -1,7 +1,9 @@
 """Atomic, durable file writes: a temporary file, fsynced, renamed over the target. A crash leaves old or new.
 
 The writers return the written file's (size, SHA-256 hex digest), which the syncer's manifest records so that a
-damaged file is found on load."""
+damaged file is found on load. Every file is created readable by its owner alone (0600, given to open: no window
+in which another user could open it), and `private_folder` makes folders 0700: the syncer's state holds its
+learners' progress and the model."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,52 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.bool: "BOOL"}
 
 HASH_CHUNK = 1 << 20
+FILE_MODE = 0o600
+FOLDER_MODE = 0o700
+
+
+def private_open(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC):
+    """`open` for writing, creating the file 0600. A leftover temporary file (of another mode, perhaps opened by
+    someone meanwhile) is removed first, so what is written goes to a new file nobody else holds."""
+    path = Path(path)
+    if flags & os.O_TRUNC and path.name.endswith(".tmp"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        flags |= os.O_EXCL
+    fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    return os.fdopen(fd, "ab" if flags & os.O_APPEND else "wb")
+
+
+def private_opener(path: str, flags: int) -> int:
+    """An `opener` for open() and logging's file handlers: files they create are 0600."""
+    return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+
+
+def private_folder(folder: Path, log=None) -> None:
+    """`folder` (and missing parents) made 0700 if new; an existing one that group or others may use is tightened
+    to its owner alone, logged when it holds files already (others could have read the state, or swapped its
+    files). A shared folder (sticky, like /tmp, or another user's) is left as it is, with a warning."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(mode=FOLDER_MODE, parents=True)
+        return
+    except FileExistsError:
+        if not folder.is_dir():
+            raise NotADirectoryError(errno_codes.ENOTDIR, "not a folder", str(folder)) from None
+    st = folder.stat()
+    if not st.st_mode & 0o077:
+        return
+    if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
+        if log is not None:
+            log.warning("%s is a shared folder (mode %o): others may list or replace what is written there; give "
+                        "the syncer a folder of its own", folder, st.st_mode & 0o7777)
+        return
+    os.chmod(folder, st.st_mode & 0o700)
+    if log is not None and any(folder.iterdir()):
+        log.warning("%s was open to group or others (mode %o): tightened to %o (the syncer's state is for its user "
+                    "alone)", folder, st.st_mode & 0o777, st.st_mode & 0o700)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -46,7 +95,7 @@ def file_digest(path: Path) -> tuple[int, str]:
 
 def write_bytes(path: Path, data: bytes) -> tuple[int, str]:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with private_open(tmp) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -69,6 +118,7 @@ def _as_os_error(e: Exception, path: Path) -> OSError:
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> tuple[int, str]:
     """A safetensors file; metadata values are stored as strings. I/O failures raise OSError naming the path."""
     tmp = path.with_name(path.name + ".tmp")
+    private_open(tmp).close()  # created 0600 here: safetensors truncates and keeps the mode
     try:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={k: str(v) for k, v in (metadata or {}).items()})
@@ -119,7 +169,7 @@ def save_tensor_stream(path: Path, layout: list[tuple[str, torch.dtype, tuple[in
         digest.update(data)
         size += len(data)
 
-    with open(tmp, "wb") as f:
+    with private_open(tmp) as f:
         write(f, struct.pack("<Q", len(encoded)))
         write(f, encoded)
         written = 0

@@ -26,7 +26,8 @@ log = logging.getLogger("diloco.syncer")
 IDLE = object()
 """Yielded by SyncerService._chunks when a client stream sent nothing for stall_timeout."""
 INIT_IDLE_STALLS = 10
-"""An Init stream idle this many stall timeouts is ended (its lease passes on after one, as before)."""
+"""An uploader's Init stream idle this many stall timeouts is ended (its lease passes on after one, as before). One
+that sent nothing, not even its JoinRequest (no token shown), is ended after one."""
 
 
 class InitialUpload:
@@ -66,6 +67,8 @@ class InitialUpload:
             async for chunk in chunks:
                 if chunk is IDLE:  # the lease passes on when another learner joins (_take_init_lease)
                     idle += 1
+                    if first is None:  # unauthenticated: it holds a stream and nothing more, model or not
+                        await self._idle(context, "initial model upload (not even a JoinRequest)", self.stall_timeout)
                     if self.core.initialized:
                         return self._count_out(pb.InitReply())  # another upload won: the rest is not needed
                     if idle >= INIT_IDLE_STALLS:
@@ -159,7 +162,7 @@ class InitialUpload:
         """The first Init chunk: the uploader's JoinRequest, with the run token, from the lease owner."""
         if not chunk.HasField("request"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Init must start with the learner's JoinRequest")
-        await self._check_token(context, chunk.request.token)
+        await self._check_credential(context, chunk.request.learner_id, chunk.request.token)
         await self._check_id(context, chunk.request.learner_id)
         if not self.core.initialized:
             await self._check_init_lease(chunk.request.learner_id, self._init_lease, context)

@@ -56,8 +56,9 @@ def theta_pieces(fs) -> torch.Tensor | Chunked:
 def persist(core, changed) -> None:
     """Write the ledger and the `changed` fragments (and any a failed write left unsaved).
 
-    A full or read-only state directory (OSError) is logged at once with the path and errno, recorded as
-    `core.state_error` (/status shows the syncer unhealthy) and retried with the next round; it is not raised:
+    A full or read-only state directory (OSError) is logged at once with the path and errno (then once per
+    `throttle.INTERVAL`, with a count), recorded as `core.state_error` (/status shows the syncer unhealthy) and
+    retried with the next round; it is not raised:
     SyncerCore._close persists after the round has changed the fragment in memory, and an exception there would
     lose the round's publications and stop the loop that closes rounds. The round is published without being
     durable, and becomes durable with the first write that succeeds."""
@@ -80,14 +81,15 @@ def persist(core, changed) -> None:
         where = e.filename or core.store.folder
         error = (f"cannot write the syncer state to {where}: [Errno {e.errno}] {e.strerror or e}; rounds since "
                  f"then are published but not durable (retried every round)")
-        if getattr(core, "state_error", None) != error:
-            log.error("%s", error)
+        core.store.errors.error("state", error)
         core.state_error = error
         return
     core.unsaved_fragments = set()
     if getattr(core, "state_error", None):
-        log.warning("the state directory %s takes writes again: the syncer state is durable again (versions %s)",
-                    core.store.folder, [fs.version for fs in core.fragments])
+        left_out = core.store.errors.recovered("state")
+        log.warning("the state directory %s takes writes again: the syncer state is durable again (versions %s)%s",
+                    core.store.folder, [fs.version for fs in core.fragments],
+                    f"; {left_out} failed writes were not logged" if left_out else "")
         core.state_error = None
 
 

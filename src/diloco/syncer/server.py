@@ -18,16 +18,18 @@ from pathlib import Path
 
 import grpc
 
-from diloco.atomic import write_json
+from diloco.atomic import private_folder, write_json
 from diloco.syncer.model_file import save_model
 from diloco.config import SyncConfig
 from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer import initial_model
 from diloco.syncer.core import SyncerCore
+from diloco.syncer.credentials import Credentials
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
 from diloco.syncer.store import StateStore
 from diloco.syncer.tape import Tape
+from diloco.syncer.throttle import Throttled
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import json_safe
 from diloco.wire.messages import SERVER_OPTIONS
@@ -68,12 +70,21 @@ class ServerOptions:
     """Read-only secret for /status and /metrics beyond loopback (besides the run token)."""
     recover: bool = False
     """When the newest state in out/state is damaged, resume from the previous consistent one (--state-recover)."""
+    accept_rollback: bool = False
+    """Resume from out/state even when it is older than the newest state this syncer wrote (--accept-rollback)."""
+    state_key: Path | None = None
+    """The key that signs out/state's manifests; None: out/state.key, created on the first save."""
     shard: tuple[int, int] = (0, 1)
     """(i, N): serve only the fragments p with p mod N = i, as one of N syncer processes (--shard i/N)."""
     allow_takeover: bool = False
     """A Join under an id the syncer sees live supersedes that learner even without its session secret."""
     initial_model: Path | None = None
     """A safetensors file with the initial global model (--initial-model): no learner uploads it."""
+    exit_when_done: bool = False
+    """Stop serving once the budget (token_budget, duration) is spent and no learner is live any more: each heard
+    the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
+    credentials: Path | None = None
+    """Per-learner credentials (--credentials, syncer/credentials.py): each listed id joins with its own token."""
 
 
 HTTP_TIMEOUT = 10.0
@@ -92,10 +103,11 @@ def exposure_problems(opts: ServerOptions) -> tuple[list[str], list[str]]:
             errors.append(f"{text}; {fix}, or --insecure to accept that")
 
     if not is_loopback(opts.listen):
-        if not opts.token:
-            errors.append(f"listening on {opts.listen} (beyond loopback) needs a shared secret: pass --token")
+        if not (opts.token or opts.credentials):
+            errors.append(f"listening on {opts.listen} (beyond loopback) needs secrets: pass --credentials (a token "
+                          f"per learner) or --token (one shared by trusted learners)")
         elif opts.tls_cert is None:
-            plaintext(f"listening on {opts.listen} (beyond loopback) without TLS: the run token and the model travel "
+            plaintext(f"listening on {opts.listen} (beyond loopback) without TLS: the learners' tokens and the model travel "
                       f"in plaintext", "pass --tls-cert and --tls-key")
     if opts.http and not is_loopback(opts.http):
         if not (opts.token or opts.status_token):
@@ -274,7 +286,10 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             loop.add_signal_handler(sig, stop.set)
         except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
             pass
-    store = StateStore(opts.out / "state", recover=opts.recover) if opts.out else None
+    if opts.out:
+        private_folder(opts.out, log)  # the tape, snapshots and final model: the syncer's user's alone
+    store = (StateStore(opts.out / "state", recover=opts.recover, key=opts.state_key,
+                        accept_rollback=opts.accept_rollback) if opts.out else None)
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
     if core.restore():
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
@@ -288,7 +303,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         initial = initial_model.load(opts.initial_model)
     metrics = SyncerMetrics()
     service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout,
-                            allow_takeover=opts.allow_takeover, initial_model=initial)
+                            allow_takeover=opts.allow_takeover, initial_model=initial,
+                            credentials=Credentials.load(opts.credentials) if opts.credentials else None)
     if on_service:
         on_service(service)
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -316,6 +332,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     rounds = asyncio.create_task(service.run_rounds(stop))
     next_snapshot = core.clock() + opts.snapshot_seconds
     next_tokens = opts.snapshot_tokens
+    snapshot_errors = Throttled(log)
     try:
         while not stop.is_set():
             status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
@@ -325,6 +342,9 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             beat["at"] = time.monotonic()  # /healthz: the loop turns
             if on_status:
                 on_status(dict(status))
+            if opts.exit_when_done and run_over(core):
+                log.info("the budget is spent and every learner has left: stopping")
+                stop.set()
             due_time = opts.snapshot_seconds and core.clock() >= next_snapshot
             due_tokens = opts.snapshot_tokens and core.tokens_trained() >= next_tokens
             if opts.out and core.initialized and (due_time or due_tokens):
@@ -333,8 +353,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
                 try:
                     await service._core(_snapshot, core, opts.out, status)
                 except OSError as e:
-                    log.error("cannot write a snapshot to %s: [Errno %s] %s", e.filename or opts.out / "snapshots",
-                              e.errno, e.strerror)
+                    snapshot_errors.error("snapshot", f"cannot write a snapshot to "
+                                          f"{e.filename or opts.out / 'snapshots'}: [Errno {e.errno}] {e.strerror}")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except asyncio.TimeoutError:
@@ -370,12 +390,31 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         if core.tape is not None:
             core.tape.record("stop", rounds=core.rounds)
             core.tape.close()
+    if opts.out and core.initialized:  # the last line says where the run's result is
+        model = status.get("final_model")
+        if model is None:
+            raise ModelNotSaved(
+                f"the final model could not be saved in {opts.out} nor in a fallback folder (a full or read-only "
+                f"disk?); the last durable state is in {opts.out / 'state'}: free space and start a syncer on it")
+        log.info("syncer stopped; the final model is %s%s", model,
+                 "" if Path(model).parent == opts.out else " (a fallback folder: copy it somewhere safe)")
     return status
+
+
+class ModelNotSaved(OSError):
+    """The final model could be written nowhere: the syncer exits with an error (a saved one, fallback included,
+    is a clean exit)."""
+
+
+def run_over(core: SyncerCore) -> bool:
+    """The run's budget is spent and no learner is live: nobody is left to serve."""
+    progress = core.budget_progress()
+    return progress is not None and progress >= 1.0 and not core.live()
 
 
 def _snapshot(core: SyncerCore, out: Path, status: dict) -> None:
     folder = out / "snapshots"
-    folder.mkdir(parents=True, exist_ok=True)
+    private_folder(folder)
     t = core.clock() - core.started_at
     save_model(core, folder / f"{t:010.3f}.safetensors", seconds=round(t, 3), tokens_trained=core.tokens_trained(),
                tokens_merged=core.tokens_merged(), rounds=core.rounds, wire_bytes=status.get("wire_bytes", 0))

@@ -5,6 +5,10 @@ point leaves the previous manifest and every file it names intact. The manifest 
 SHA-256; a load verifies them (and that every name stays inside the folder) before trusting a byte. The previous
 generation is kept as well (`manifest.prev.json` and the files it names) until a newer one is fully written, so a
 damaged newest generation can be recovered from (`StateStore(recover=True)`, the syncer's `--state-recover`).
+
+Each manifest is signed with the syncer's state key, kept outside the folder (state_key.py): a state rewritten by
+anyone without the key is refused, and one older than the newest this syncer wrote is refused as rolled back
+unless `accept_rollback` (`--accept-rollback`). The folder is 0700 and every file in it 0600.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from typing import Callable
 import torch
 from safetensors.torch import load as load_safetensors
 
-from diloco.atomic import Chunked, fsync_dir, save_tensor_stream, write_bytes, write_json
+from diloco.atomic import Chunked, fsync_dir, private_folder, private_opener, save_tensor_stream, write_bytes, write_json
 from diloco.codec import all_finite
+from diloco.syncer.state_key import BadKey, StateKey
+from diloco.syncer.throttle import Throttled
 
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.prev.json"
@@ -73,13 +79,23 @@ def save_fragment(path: Path, tensors: dict[str, torch.Tensor | Chunked]) -> tup
     return save_tensor_stream(path, layout, tensors.values())
 
 
-class StateStore:
-    """Files under `folder`: manifest.json, manifest.prev.json, ledger-<n>.json, fragment-<p>-v<version>.safetensors."""
+def key_path(folder: Path) -> Path:
+    """Where a state folder's key is kept by default: beside it (`DIR/state.key` for `DIR/state`), not in it."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".key")
 
-    def __init__(self, folder: Path, recover: bool = False):
+
+class StateStore:
+    """Files under `folder`: manifest.json, manifest.prev.json, ledger-<n>.json, fragment-<p>-v<version>.safetensors;
+    beside it the state key and the highest generation written (`key`, default `key_path(folder)`)."""
+
+    def __init__(self, folder: Path, recover: bool = False, key: Path | None = None, accept_rollback: bool = False):
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.recover = recover
+        private_folder(self.folder, log)
+        self.recover, self.accept_rollback = recover, accept_rollback
+        self.key = StateKey(key if key is not None else key_path(self.folder))
+        self.errors = Throttled(log)
+        """Write failures, logged once per interval with a count: a full disk fails every round."""
         self.generation = 0
         self.files: dict[str, str] = {}
         self.integrity: dict[str, list] = {}
@@ -89,7 +105,7 @@ class StateStore:
             if manifest is not None:
                 self.generation, self.files = manifest["generation"], manifest["files"]
                 self.integrity = manifest.get("integrity", {})
-        except Damaged:
+        except (Damaged, StateError):
             pass
 
     @property
@@ -116,10 +132,13 @@ class StateStore:
         fsync_dir(self.folder)
         previous = self._manifest()
         if self.files:  # the generation being replaced stays loadable until the next one is fully written
-            write_json(self.folder / PREVIOUS, previous)
-        write_json(self.folder / MANIFEST, {"generation": generation, "files": files, "integrity": integrity})
+            write_json(self.folder / PREVIOUS, self.key.sign(previous))
+        write_json(self.folder / MANIFEST, self.key.sign({"generation": generation, "files": files,
+                                                         "integrity": integrity}))
         fsync_dir(self.folder)
         self.generation, self.files, self.integrity = generation, files, integrity
+        # after the manifest is durable: a crash before this leaves a remembered generation one lower (accepted)
+        self.key.remember(generation)
         keep = set(files.values()) | set(previous["files"].values())
         for path in self.folder.iterdir():  # superseded generations, and what a failed write left behind
             if OWNED.match(path.name) and path.name not in keep and not path.is_symlink() and path.is_file():
@@ -132,10 +151,10 @@ class StateStore:
         """One line per closed round, appended (not fsynced): the history behind uptime, not needed to resume.
         A full or read-only disk loses the line (logged), never the round."""
         try:
-            with open(self.folder / ROUND_LOG, "a") as f:
+            with open(self.folder / ROUND_LOG, "a", opener=private_opener) as f:
                 f.write(json.dumps(entry) + "\n")
         except OSError as e:
-            log.error("cannot append to %s: [Errno %s] %s", self.folder / ROUND_LOG, e.errno, e.strerror)
+            self.errors.error("rounds", f"cannot append to {self.folder / ROUND_LOG}: [Errno {e.errno}] {e.strerror}")
 
     def rounds(self, last: int) -> list[tuple]:
         """The last `last` rounds of the history; a line cut by a crash is skipped."""
@@ -177,7 +196,44 @@ class StateStore:
             if key != "ledger" and (not key.startswith("fragment-") or fragment_version(fname) is None
                                     or f"fragment-{fragment_version(fname)[0]}" != key):
                 raise Damaged(name, f"names {fname!r} for {key!r}, which is not that fragment's file")
+        self._check_signature(name, manifest)
         return manifest
+
+    def _check_signature(self, name: str, manifest: dict) -> None:
+        """The manifest was written by the holder of the state key: its files' hashes, hence every byte of the
+        state (the configuration in the ledger included), and its generation are the syncer's own."""
+        try:
+            key = self.key.key()
+        except BadKey as e:
+            raise StateError(str(e)) from None
+        if key is None:
+            if "hmac" in manifest:
+                raise StateError(
+                    f"{self.folder / name} is signed, but the state key {self.key.path} is missing: put back the key "
+                    f"file the syncer created beside its state folder, or move {self.folder} aside to start a new run "
+                    f"(then restart the learners too)")
+            return  # written before state keys existed: the first save signs (load() warns)
+        if "hmac" not in manifest:
+            raise Damaged(name, f"not signed, though every manifest this syncer writes is signed with its key "
+                                f"{self.key.path}: it was written by something else")
+        if not self.key.verifies(manifest):
+            raise Damaged(name, f"its signature does not match the state key {self.key.path}: the state was changed "
+                                f"outside the syncer (files replaced or edited, hashes recomputed), or the key is "
+                                f"another state folder's")
+
+    def _check_rollback(self, generation: int, previous: bool) -> None:
+        """An older generation than this syncer last wrote is a rolled-back state, unless it is the previous one
+        taken because the newest is damaged (`previous`, --state-recover): a save replaces the newest after the
+        previous is kept, so a legitimate restore is at most one behind."""
+        last = self.key.last_generation()
+        if last is None or generation >= last - (1 if previous else 0):
+            return
+        what = (f"the state folder {self.folder} holds generation {generation} but this syncer last wrote {last}: it "
+                f"was rolled back (an older copy put in place, or an older manifest renamed)")
+        if not self.accept_rollback:
+            raise StateError(f"{what}; put the newest state back, or pass --accept-rollback to resume from it (rounds "
+                             f"after it are lost, learners resynchronise)")
+        log.warning("%s; resuming from it (--accept-rollback)", what)
 
     def _read_file(self, manifest: dict, name: str) -> bytes:
         path = self.folder / name
@@ -198,6 +254,9 @@ class StateStore:
         if "integrity" not in manifest:
             log.warning("%s was written by an older version without hashes: its files are not verified",
                         self.folder / MANIFEST)
+        if "hmac" not in manifest:
+            log.warning("%s was written by an older version without a state key: it is not authenticated; the next "
+                        "save signs it with a new key in %s", self.folder / MANIFEST, self.key.path)
         files = manifest["files"]
         try:
             ledger = json.loads(self._read_file(manifest, files["ledger"]))
@@ -235,7 +294,7 @@ class StateStore:
         if (self.folder / PREVIOUS).exists():
             try:
                 gen = self._read_manifest(PREVIOUS)["generation"]
-            except Damaged:
+            except (Damaged, StateError):
                 gen = None
             return (f"start with --state-recover to resume from the previous consistent state"
                     f"{f' (generation {gen})' if gen is not None else ''}; rounds after it are lost, learners "
@@ -260,6 +319,7 @@ class StateStore:
                         f"or the directory was copied in part; restore {MANIFEST} from a backup, or move "
                         f"{self.folder} aside to start a new run (then restart the learners too)")
                 return None
+            self._check_rollback(manifest["generation"], previous=False)
             loaded = self._load_generation(manifest, check)
             self._adopt(manifest)
             return loaded
@@ -273,6 +333,7 @@ class StateStore:
             previous = self._read_manifest(PREVIOUS)
             if previous is None:
                 raise Damaged(PREVIOUS, "missing: no previous consistent state is kept")
+            self._check_rollback(previous["generation"], previous=True)
             loaded = self._load_generation(previous, check)
         except Damaged as e:
             raise StateError(f"{newest_error}; the previous state is damaged too: {self._damaged(e, None)}; move "

@@ -7,12 +7,34 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
+import sys
 import time
 from pathlib import Path
+
+from diloco.atomic import private_opener
+from diloco.syncer.throttle import Throttled
 
 MAX_BYTES = 64 * 1024 * 1024
 """Size of tape.jsonl before it is rotated to tape.jsonl.1 (…, up to BACKUPS older files)."""
 BACKUPS = 4
+
+
+class _Handler(logging.handlers.RotatingFileHandler):
+    """Files created 0600; a write that fails (a full or read-only disk) loses the event and is logged once per
+    interval with a count, instead of logging's traceback per event on stderr."""
+
+    def __init__(self, path: Path, failures: Throttled, **kwargs):
+        self.failures = failures  # (`errors` is the handler's encoding-error policy)
+        super().__init__(path, **kwargs)
+
+    def _open(self):
+        return open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors, opener=private_opener)
+
+    def handleError(self, record) -> None:  # noqa: N802 (logging's naming)
+        e = sys.exc_info()[1]
+        why = f"[Errno {e.errno}] {e.strerror}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        self.failures.error("tape", f"cannot write the event tape {self.baseFilename}: {why}; events are lost until it "
+                                  f"takes writes again")
 
 
 class Tape:
@@ -24,8 +46,8 @@ class Tape:
         self._logger = logging.getLogger(f"diloco.tape.{id(self)}")
         self._logger.propagate = False
         self._logger.setLevel(logging.INFO)
-        self._handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=backups,
-                                                             encoding="utf-8")
+        self.errors = Throttled(logging.getLogger("diloco.syncer"))
+        self._handler = _Handler(self.path, self.errors, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._logger.addHandler(self._handler)
 
@@ -35,7 +57,11 @@ class Tape:
 
     def close(self) -> None:
         self._logger.removeHandler(self._handler)
-        self._handler.close()
+        try:
+            self._handler.close()  # flushes: on a full disk what is buffered cannot be written
+        except OSError as e:
+            self.errors.error("tape", f"cannot write the event tape {self.path}: [Errno {e.errno}] {e.strerror}; its "
+                                      f"last events are lost")
 
 
 def read_all(paths: list[Path]) -> list[dict]:

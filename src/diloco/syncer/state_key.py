@@ -1,0 +1,85 @@
+"""The syncer's state key: 32 random bytes in a 0600 file beside the state folder (`DIR/state.key` for
+`--state DIR`), created on the first save. Every manifest carries an HMAC-SHA256 of its contents under it, and the
+manifest names each file's SHA-256 (the ledger holds the configuration), so whoever can write the state folder but
+not read the key cannot make a state the syncer accepts: recomputed hashes, a swapped file or an edited
+configuration are refused. Beside the key, `DIR/state.generation` holds the highest generation this syncer wrote,
+so an older state put back in place (a rolled-back copy, the previous manifest renamed) is told apart from the
+newest one."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from pathlib import Path
+
+from diloco.atomic import write_bytes
+
+KEY_BYTES = 32
+DOMAIN = b"diloco-syncer-manifest-v1\0"
+"""Prefixed to what is signed: the key signs manifests and nothing else."""
+
+
+class BadKey(ValueError):
+    """The key file exists but is not a key (the message names it and what to do)."""
+
+
+def canonical(manifest: dict) -> bytes:
+    """The signed bytes: the manifest without its signature, keys sorted, no spaces."""
+    body = {k: v for k, v in manifest.items() if k != "hmac"}
+    return DOMAIN + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+class StateKey:
+    """The key file at `path` and its companion `<path without .key>.generation`."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.generation_path = self.path.with_suffix(".generation")
+        self._key: bytes | None = None
+
+    @property
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def key(self, create: bool = False) -> bytes | None:
+        """The key; None when there is no key file (created when `create`)."""
+        if self._key is None:
+            try:
+                data = self.path.read_bytes()
+            except FileNotFoundError:
+                if not create:
+                    return None
+                data = os.urandom(KEY_BYTES)
+                write_bytes(self.path, data)  # 0600, atomic
+            if len(data) != KEY_BYTES:
+                raise BadKey(f"the state key {self.path} holds {len(data)} bytes, not {KEY_BYTES}: restore it "
+                                f"from where it was kept (the state is signed with it)")
+            self._key = data
+        return self._key
+
+    def sign(self, manifest: dict) -> dict:
+        """`manifest` with its signature (`hmac`), creating the key on first use."""
+        mac = hmac.new(self.key(create=True), canonical(manifest), hashlib.sha256).hexdigest()
+        return {**{k: v for k, v in manifest.items() if k != "hmac"}, "hmac": mac}
+
+    def verifies(self, manifest: dict) -> bool:
+        given = manifest.get("hmac")
+        key = self.key()
+        if not isinstance(given, str) or key is None:
+            return False
+        return hmac.compare_digest(given, hmac.new(key, canonical(manifest), hashlib.sha256).hexdigest())
+
+    def last_generation(self) -> int | None:
+        """The highest generation this syncer wrote; None when it never recorded one."""
+        try:
+            value = json.loads(self.generation_path.read_bytes())["generation"]
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, OSError):
+            return None  # unreadable: no rollback check rather than a refusal (the signatures still hold)
+        return value if isinstance(value, int) else None
+
+    def remember(self, generation: int) -> None:
+        write_bytes(self.generation_path, json.dumps({"generation": generation}).encode())
