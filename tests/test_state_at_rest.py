@@ -216,6 +216,15 @@ def test_a_restarted_syncer_takes_the_learners_session_over_grpc(tmp_path):
         with pytest.raises(grpc.RpcError) as e:
             stub.Heartbeat(pb.HeartbeatRequest(learner_id="m", session="0" * 22), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        updates = stub.Subscribe(pb.SubscribeRequest(learner_id="m", session=session))  # its update stream, open
+        deadline = time.monotonic() + 30
+        while syncer.service._live_for("m") is None:
+            assert time.monotonic() < deadline, "the restored learner's stream does not make it live"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as e:  # so its id cannot be taken without its secret
+            list(stub.Join(request, timeout=10))
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        updates.cancel()
     finally:
         syncer.stop()
 
