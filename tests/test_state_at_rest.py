@@ -465,7 +465,7 @@ def test_sigterm_on_a_full_disk_exits_0_naming_the_fallback_model_without_floodi
     log_path = tmp_path / "syncer.log"
     env = dict(os.environ, TMPDIR=str(fallback))
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", FULL_DISK, str(out), "--log-level", "INFO", "syncer", "--listen",
+        proc = subprocess.Popen([sys.executable, "-c", FULL_DISK, str(out), "syncer", "--listen",
                                  f"127.0.0.1:{port}", "--http", "127.0.0.1:0", "--state", str(out), "--learners", "1",
                                  "--fragments", "2", "--sync-every", "4", "--snapshot-every", "0.2"],
                                 stdout=subprocess.DEVNULL, stderr=log, env=env)

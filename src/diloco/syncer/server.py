@@ -396,8 +396,10 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             raise ModelNotSaved(
                 f"the final model could not be saved in {opts.out} nor in a fallback folder (a full or read-only "
                 f"disk?); the last durable state is in {opts.out / 'state'}: free space and start a syncer on it")
-        log.info("syncer stopped; the final model is %s%s", model,
-                 "" if Path(model).parent == opts.out else " (a fallback folder: copy it somewhere safe)")
+        if Path(model).parent == opts.out:
+            log.info("syncer stopped; the final model is %s", model)
+        else:  # shown at the default log level: it needs the operator
+            log.warning("syncer stopped; the final model is %s (a fallback folder: copy it somewhere safe)", model)
     return status
 
 
