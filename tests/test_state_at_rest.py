@@ -469,8 +469,9 @@ def test_sigterm_on_a_full_disk_exits_0_naming_the_fallback_model_without_floodi
                                  f"127.0.0.1:{port}", "--http", "127.0.0.1:0", "--state", str(out), "--learners", "1",
                                  "--fragments", "2", "--sync-every", "4", "--snapshot-every", "0.2"],
                                 stdout=subprocess.DEVNULL, stderr=log, env=env)
+    started = time.monotonic()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not (out / "ready.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.05)
@@ -489,6 +490,7 @@ def test_sigterm_on_a_full_disk_exits_0_naming_the_fallback_model_without_floodi
         assert learner.transport.error is None
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
+        periods = 1 + int((time.monotonic() - started) // 30)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -497,7 +499,9 @@ def test_sigterm_on_a_full_disk_exits_0_naming_the_fallback_model_without_floodi
     assert code == 0, lines[-20:]
     assert "Traceback" not in "\n".join(lines) and "Logging error" not in "\n".join(lines)
     errors = [line for line in lines if " ERROR " in line]
-    assert len(errors) <= 12, errors  # each kind of failure once (per 30 s), and the final model's fallback
+    # four kinds of failure each round (state, round history, tape, snapshots), logged once per 30 s; five lines at
+    # shutdown (the last snapshot, the final model and syncer.json going to the fallback folder)
+    assert len(errors) <= 4 * periods + 5, errors
     saved = list(fallback.glob("diloco-final-*/model.safetensors"))
     assert len(saved) == 1 and set(load_file(str(saved[0]))) == {"emb.weight", "lin.weight", "lin.bias"}
     assert lines[-1].endswith(f"syncer stopped; the final model is {saved[0]} (a fallback folder: copy it somewhere safe)")
