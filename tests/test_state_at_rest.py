@@ -279,6 +279,17 @@ def test_a_missing_key_is_named_not_replaced(tmp_path):
     assert not key_path(tmp_path / "state").exists()  # no new key made that would orphan the state
 
 
+def test_a_key_readable_by_others_is_tightened_and_a_damaged_key_named(tmp_path, caplog):
+    run(tmp_path / "state")
+    key = key_path(tmp_path / "state")
+    os.chmod(key, 0o644)
+    with caplog.at_level(logging.WARNING, logger="diloco.syncer"):
+        assert make_core(tmp_path / "state").restore()
+    assert mode(key) == 0o600 and f"the state key {key} was readable by group or others (mode 644)" in caplog.text
+    key.write_bytes(b"short")
+    assert f"the state key {key} holds 5 bytes, not 32: restore it" in refused(tmp_path / "state")
+
+
 def test_the_previous_generation_served_as_the_newest_is_a_rollback(tmp_path):
     core, _ = run(tmp_path)
     newest = manifest(tmp_path)["generation"]

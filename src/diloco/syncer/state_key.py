@@ -11,12 +11,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
+import stat
 from pathlib import Path
 
 from diloco.atomic import write_bytes
 
 KEY_BYTES = 32
+log = logging.getLogger("diloco.syncer")
 DOMAIN = b"diloco-syncer-manifest-v1\0"
 """Prefixed to what is signed: the key signs manifests and nothing else."""
 
@@ -55,7 +58,12 @@ class StateKey:
                 write_bytes(self.path, data)  # 0600, atomic
             if len(data) != KEY_BYTES:
                 raise BadKey(f"the state key {self.path} holds {len(data)} bytes, not {KEY_BYTES}: restore it "
-                                f"from where it was kept (the state is signed with it)")
+                             f"from where it was kept (the state is signed with it)")
+            mode = stat.S_IMODE(os.stat(self.path).st_mode)
+            if mode & 0o077:  # copied in with a wider mode: whoever could read it can forge the state
+                os.chmod(self.path, mode & 0o700)
+                log.warning("the state key %s was readable by group or others (mode %o): tightened to %o; if others "
+                            "could read it, they can forge the state", self.path, mode, mode & 0o700)
             self._key = data
         return self._key
 
