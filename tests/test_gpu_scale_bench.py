@@ -1,0 +1,107 @@
+"""benchmarks/gpu_scale.py: its --smoke run end to end (the GPU command's code path at CPU scale), its pure parts,
+and its refusals of bad input."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_scale.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+_spec = importlib.util.spec_from_file_location("gpu_scale", SCRIPT)
+gpu_scale = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_scale"] = gpu_scale  # its dataclasses look their module up
+_spec.loader.exec_module(gpu_scale)
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_smoke")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--budget", "240"],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads((out / "gpu_scale.json").read_text()), (out / "gpu_scale.md").read_text(), proc.stdout
+
+
+def test_the_smoke_run_reports_every_part_with_finite_figures(smoke):
+    report, _, _ = smoke
+    assert report["smoke"] and report["device"] == "cpu"
+    assert report["corpus"]["train_tokens"] > 10_000 and report["corpus"]["vocab"] == 512
+    # quality: dp and four decoupled runs, at equal tokens unless the budget stopped one
+    quality = report["quality"]
+    assert finite(quality["dp"]["final_loss"]) and quality["dp"]["final_loss"] < math.log(512) + 1
+    rows = {r["run"]: r for r in quality["rows"]}
+    assert set(rows) == {"decoupled-M2", "decoupled-M2-paper", "decoupled-M4", "decoupled-M4-paper"}
+    for name, row in rows.items():
+        assert finite(row["final_loss"]) and finite(row["gap_nats"]), name
+        assert row["gap_nats"] == pytest.approx(row["final_loss"] - quality["dp"]["final_loss"])
+        assert row["published_gap_nats"] == gpu_scale.PUBLISHED_GAP[row["learners"]]
+    for run in quality["runs"]:
+        assert len(run["curve"]) >= 2 and all(finite(loss) for _, loss in run["curve"])
+        assert run["preset"] in ("default", "paper") and run["rounds"] > 0
+        if not run["stopped"] and not quality["dp"]["stopped"]:
+            assert run["tokens"] == quality["dp"]["tokens"] == quality["tokens"]
+    paper = next(r for r in quality["runs"] if r["name"] == "decoupled-M4-paper")
+    assert paper["sync"]["outer_momentum"] == 0.9 and not paper["sync"]["keep_overlap"]
+    # overhead: both sizes measured, with and without the learner, and the sync count of each loop
+    overhead = {r["model"]: r for r in report["overhead"]["rows"]}
+    assert set(overhead) == {"35m", "124m"}
+    for row in overhead.values():
+        assert row["parameters"] > 0 and finite(row["plain_tokens_per_second"]) and row["plain_tokens_per_second"] > 0
+        assert finite(row["tokens_per_second_ratio"]) and row["pushes"] > 0
+        assert isinstance(row["syncs_learner"]["training_thread"], int)  # no CUDA here: counted, and zero
+    assert overhead["124m"]["parameters"] > overhead["35m"]["parameters"]
+    # mixed hardware: the precisions and speeds asked for, the half-speed learner stepping half as often
+    equal, mixed = report["mixed"]["runs"]
+    assert equal["dtypes"] == ["bfloat16"] * 3 and mixed["dtypes"] == ["bfloat16", "float32", "bfloat16"]
+    assert mixed["speeds"] == [1.0, 1.0, 0.5] and finite(mixed["minus_equal"]) and equal["minus_equal"] == 0
+    assert mixed["steps"][2] <= mixed["steps"][0] // 2 + 1 and mixed["steps"][0] == mixed["steps"][1]
+
+
+def test_the_table_has_a_row_per_run_and_the_log_shows_progress(smoke):
+    report, table, stdout = smoke
+    for heading in ("## Quality at equal tokens", "## Learner overhead", "## Mixed hardware", "smoke run"):
+        assert heading in table
+    assert "| decoupled-M4-paper | 4 | paper |" in table and "+0.069 / +0.031" in table
+    assert "| 124m |" in table and "| mixed | bfloat16, float32, bfloat16 | 1.0, 1.0, 0.5 |" in table
+    assert "calibration:" in stdout and "plan:" in stdout and "held-out" in stdout
+
+
+def test_tokens_to_a_loss_are_interpolated_and_unreached_targets_are_none():
+    curve = [(100, 3.0), (200, 2.0), (300, 1.5)]
+    assert gpu_scale.first_reach(curve, 2.5) == pytest.approx(150)
+    assert gpu_scale.first_reach(curve, 3.5) == 100 and gpu_scale.first_reach(curve, 1.0) is None
+    dp = gpu_scale.Outcome("dp", curve=[(100, 3.0), (200, 2.0)], tokens=200)
+    late = gpu_scale.Outcome("late", curve=[(100, 3.5), (200, 2.5)], tokens=200, extra=dict(learners=4))
+    (row,) = gpu_scale.quality_rows(dp, [late])
+    assert row["gap_nats"] == pytest.approx(0.5) and row["tokens_to_dp_final"] is None
+    assert row["dp_tokens_to_this_final_ratio"] == pytest.approx(150 / 200)  # dp reached 2.5 at 150 tokens
+
+
+def test_the_plan_fits_the_time_and_never_goes_below_a_curve():
+    per_token = {"dp": 1e-6, "decoupled-4": 3e-6}
+    q, m = gpu_scale.plan_tokens(400, per_token, 4, 2, unit=32768, least=10)
+    cost = q * (1e-6 + 2 * (2e-6 + 3e-6)) + m * 2 * 1.5 * 3e-6
+    assert q % 32768 == 0 and 0.7 * 400 < cost <= 400
+    assert gpu_scale.plan_tokens(0.001, per_token, 4, 2, unit=100, least=10) == (1000, 1000)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--corpus", "/nonexistent/corpus", "--parts", "quality", "--device", "cpu"], "no corpus at /nonexistent/corpus"),
+    (["--device", "cpu"], "--corpus is required"),
+    (["--smoke", "--tokens", "lots"], "--tokens must be a positive number"),
+    (["--smoke", "--parts", "quality,speed"], "unknown part speed"),
+])
+def test_bad_input_is_refused_in_one_line(tmp_path, argv, message):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr
