@@ -11,7 +11,7 @@ from diloco import codec
 from diloco.config import for_mode
 from diloco.fragments import TensorSpec
 from diloco.learner.learner import Learner
-from diloco.learner.transport import LocalSyncer, LocalTransport
+from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.syncer.core import SyncerCore
 
 
@@ -35,9 +35,9 @@ def train_steps(model, opt, learner, grads, tokens=10):
             learner.step(tokens)
 
 
-TOY = dict(norm_ceiling=0.0)
-"""A one-scalar model moved by several times its value per step: far over the outlier ceiling meant for real
-models, and beside the arithmetic these tests check."""
+TOY = dict(norm_ceiling=0.0, max_round_ratio=0.0)
+"""A one-scalar model moved by several times its value per step: far over the outlier ceiling and the bound on a
+round's step meant for real models, and beside the arithmetic these tests check."""
 
 
 def test_one_learner_h1_unit_lr_no_momentum_is_plain_training_fixed_gradient():
@@ -308,7 +308,7 @@ def test_a_3h_step_contribution_weighs_tokens_squared_over_steps_in_the_paper_pr
     # default: B counts as H steps and 60·H/6 = 20 tokens, so w_B = w_A.
     cfg = for_mode("decoupled", 2, preset=preset, fragments=1, sync_every=2, overlap=1, codec="fp32",
                    down_codec="fp32", merge="mean", quorum=2, outer_lr=1.0, outer_momentum=0.0,
-                   scale_partial_rounds=False, delayed_momentum=False, norm_ceiling=0.0)
+                   scale_partial_rounds=False, delayed_momentum=False, **TOY)
     core = SyncerCore(cfg)
     spec = [TensorSpec("w", (1,), "float32")]
     core.initialize(spec, [torch.zeros(1)])

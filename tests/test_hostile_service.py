@@ -334,15 +334,16 @@ def test_heartbeat_bounds_and_later_heartbeats_still_work(syncer):
     reply = s.Heartbeat(pb.HeartbeatRequest(learner_id="m", session=session, step=3, tokens_trained=24,
                                             loss=math.nan, step_seconds=math.inf, speed=-math.inf,
                                             tokens_per_second=math.nan), timeout=10)
-    assert reply.tokens_trained == 24  # accepted; the non-finite fields were left out
     record = syncer.service.core.learners["m"]
+    assert record.tokens_trained == 24  # accepted; the non-finite fields were left out
+    assert reply.tokens_trained == 0  # what the budget counts: no push carried these tokens
     assert record.loss is None or math.isfinite(record.loss)
     assert record.speed is None or math.isfinite(record.speed)
     assert record.tokens_per_second is None or math.isfinite(record.tokens_per_second)
     assert all(math.isfinite(v) for v in [record.step_time.value or 0.0])
     reply = s.Heartbeat(pb.HeartbeatRequest(learner_id="m", session=session, step=4, tokens_trained=32, loss=2.5),
                         timeout=10)
-    assert reply.tokens_trained == 32
+    assert record.tokens_trained == 32 and reply.tokens_trained == 0
 
 
 def test_a_20kb_learner_id_is_invalid_not_unreachable(syncer):

@@ -52,11 +52,13 @@ def test_every_switch_is_on_the_command_line():
     add_sync_options(p)
     args = p.parse_args(["--preset", "paper", "--no-scale-partial-rounds", "--no-clamp-long-contributions",
                          "--max-norm-ratio", "0", "--norm-ceiling", "0", "--no-keep-overlap", "--no-align-pushes",
-                         "--grace-expect-steps", "0", "--no-delayed-momentum"])
+                         "--grace-expect-steps", "0", "--no-delayed-momentum", "--clip-norm-ratio", "0",
+                         "--max-counter-ratio", "0", "--max-round-ratio", "0"])
     cfg = for_mode("decoupled", 2, **sync_overrides(args))
     assert cfg == for_mode("decoupled", 2, preset="paper")
     switches = {"scale_partial_rounds", "clamp_long_contributions", "max_norm_ratio", "norm_ceiling", "keep_overlap",
-                "align_pushes", "grace_expect_steps", "delayed_momentum", "preset"}
+                "align_pushes", "grace_expect_steps", "delayed_momentum", "preset", "clip_norm_ratio",
+                "max_counter_ratio", "max_round_ratio"}
     assert switches <= set(SYNC_FLAGS)
 
 

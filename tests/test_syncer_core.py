@@ -289,7 +289,7 @@ def test_the_change_window_keeps_what_live_learners_miss_and_no_more():
 
 def test_a_chain_link_is_never_applied_as_an_answer():
     from diloco.learner.learner import Learner
-    from diloco.learner.transport import LocalSyncer, LocalTransport
+    from diloco.inprocess import LocalSyncer, LocalTransport
 
     cfg = for_mode("decoupled", 2, fragments=1, sync_every=1, overlap=0, codec="fp32", down_codec="int8", grace=0.0)
     local = LocalSyncer(SyncerCore(cfg))
@@ -336,6 +336,9 @@ def test_token_budget_and_duration_stop_the_run():
     core, clock = make_core()
     core.token_budget = 1000
     s = core.join("a", SPECS)
+    assert not core.heartbeat("a", s, tokens_trained=1000)  # a claim no push carried spends nothing
+    for fragment in range(3):  # every token trains every fragment: 1000 tokens carried
+        assert push(core, "a", s, 1 + fragment, fragment=fragment, tokens=1000).accepted
     assert not core.heartbeat("a", s, tokens_trained=999)
     assert core.heartbeat("a", s, tokens_trained=1000)
     core2, clock2 = make_core()
@@ -351,6 +354,8 @@ def test_budget_progress_is_the_larger_share_of_tokens_or_time_spent():
     assert core.budget_progress() is None  # no budget: learners keep a constant learning rate
     core.token_budget = 1000
     s = core.join("a", SPECS)
+    for fragment in range(3):
+        assert push(core, "a", s, 1 + fragment, fragment=fragment, tokens=3000).accepted
     core.heartbeat("a", s, tokens_trained=250)
     assert core.budget_progress() == 0.25
     core.duration = 10.0
@@ -399,8 +404,8 @@ def test_outer_state_is_kept_only_when_momentum_can_move_theta(momentum):
 def test_a_long_contribution_counts_as_h_steps_in_the_share():
     core, clock = make_core(learners=4, grace=0.0, outer_momentum=0.0, outer_lr=1.0)
     sessions = {x: core.join(x, SPECS) for x in "abcd"}
-    for x in "bcd":  # the others' typical contribution: 4 steps, 400 tokens
-        push(core, x, sessions[x], 1, value=0.0, steps=4, tokens=400)
+    for x in "bcd":  # the others' typical contribution: 4 steps, 400 tokens (a Δ of zero would count for none)
+        push(core, x, sessions[x], 1, value=1e-6, steps=4, tokens=400)
         core.poll()
     before = core.fragments[1].outer_values().clone()
     # a, cut off for 60 steps, returns with all of them from one old base: it counts as H = 6 steps (600 tokens)

@@ -108,3 +108,31 @@ def test_tls_flags_are_checked():
         GrpcTransport("127.0.0.1:1", tls_cert="x.pem")
     with pytest.raises(ValueError, match="cannot read --tls-ca /nonexistent.pem"):
         GrpcTransport("127.0.0.1:1", tls_ca="/nonexistent.pem")
+
+
+def test_a_client_certificate_proves_one_learner_id(pki, tmp_path):
+    cert, key = pki["server"]
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
+                          ServerOptions(listen="127.0.0.1:0", http=None, tls_cert=cert, tls_key=key,
+                                        tls_client_ca=pki["ca"], client_cert_ids=True))
+    try:
+        client_cert, client_key = pki["client"]  # its common name is "learner"
+        with pytest.raises(SyncerError, match="is not the one its client certificate names"):
+            Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert, tls_key=client_key,
+                                         connect_timeout=5), "someone-else")
+        first = Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert,
+                                             tls_key=client_key), "learner")
+        # the certificate is the credential: a restart reclaims the id while the first session still looks live
+        again = Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert,
+                                             tls_key=client_key, connect_timeout=10), "learner")
+        again.close()
+        first.close()
+    finally:
+        syncer.stop()
+
+
+def test_client_cert_ids_need_mutual_tls():
+    from diloco.syncer.server import exposure_problems
+
+    errors, _ = exposure_problems(ServerOptions(client_cert_ids=True))
+    assert any("--client-cert-ids needs mutual TLS" in e for e in errors)

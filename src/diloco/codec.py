@@ -141,6 +141,11 @@ _INT4_QUADS = np.concatenate([_INT4_PAIRS[np.arange(65536) & 0xFF], _INT4_PAIRS[
 `_INT4_PAIRS`, about twice as fast."""
 
 
+def tensor_checksum(x: torch.Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes, read in place: no copy of the fragment."""
+    return checksum(x.contiguous().numpy())
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """No NaN or Inf in `x`: its min and max (NaN propagates into both) in one pass, 18× faster than
     isfinite(x).all() on one CPU thread."""

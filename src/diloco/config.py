@@ -16,7 +16,8 @@ PRESETS = ("default", "paper")
 
 PAPER = dict(
     keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
-    delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, outer_lr=0.7,
+    delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, clip_norm_ratio=0.0,
+    max_counter_ratio=0.0, max_round_ratio=0.0, outer_lr=0.7,
     outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
     grace=None, grace_gamma=0.5, grace_cap_steps=1.0, rda_mean_fallback=True,
     bf16_residual=False, wire_compression="none",
@@ -128,6 +129,20 @@ class SyncConfig:
     norm_ceiling: float = 1.0
     """Ours. Refuse, from a run's first push, a contribution whose norm per step exceeds this multiple of the fragment's
     own norm (0: off). Honest AdamW steps measure 0.003–0.11 of it (GPT-2 at lr 6e-4 to 1e-2)."""
+    clip_norm_ratio: float = 0.0
+    """Ours, the robust merge (0: off). Scale a contribution down, before it is merged, to this multiple of the
+    norm per step that other credentials' accepted contributions of the fragment typically have (a prior from the
+    fragment's own norm joins that reference while fewer than two others have any): a hostile push moves the model
+    at most as far as this many honest ones, and colluding ids of one credential do not move the reference."""
+    max_counter_ratio: float = 4.0
+    """Ours (0: off). Count a contribution's declared tokens, and tokens per step, as at most this multiple of
+    what other credentials' accepted contributions typically declare, in its weight, its round's share, its
+    learner's expected contribution and the token budget: its weight tokens²/steps is then at most the square of
+    this times theirs. Honest learners with batches more than this many times their peers' are bounded too."""
+    max_round_ratio: float = 10.0
+    """Ours (0: off). Drop a round whose merged Δ per step is over this multiple of the median of the fragment's
+    recent rounds (from its 4th; a prior from the fragment's norm before), instead of publishing it: its
+    contributors get the last good values. A non-finite merge is dropped whatever this is."""
     heartbeat_seconds: float = 0.5
     """How often a learner reports liveness and progress."""
     absent_after_seconds: float = 10.0
@@ -217,6 +232,10 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
         raise ValueError(f"max steps ratio must be non-negative, got {cfg.max_steps_ratio}")
     if cfg.max_norm_ratio < 0:
         raise ValueError(f"max norm ratio must be non-negative, got {cfg.max_norm_ratio}")
+    for name in ("clip_norm_ratio", "max_counter_ratio", "max_round_ratio"):
+        value = getattr(cfg, name)
+        if not (0 <= value < math.inf) or 0 < value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be 0 (off) or a finite number ≥ 1, got {value}")
     if not 0 <= cfg.norm_ceiling < math.inf:
         raise ValueError(f"norm ceiling must be a non-negative number, got {cfg.norm_ceiling}")
     if cfg.grace_expect_steps < 0:

@@ -7,6 +7,8 @@ contributions from many learners do not shrink the step.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from diloco.codec import decode, decoded_chunks
@@ -65,6 +67,8 @@ def merge(deltas: list[torch.Tensor], weights: list[float], segments: list[tuple
     return out
 
 
+RESCALE_ABOVE = 2.0**20
+"""A contribution weighing more than this multiple of the reference weight becomes the reference instead."""
 CHUNK = 1 << 18
 """Values of a contribution folded into both running sums at a time: read once from memory, then from cache."""
 
@@ -112,6 +116,8 @@ class StreamingMerge:
         """Without the mean fallback, once a second contribution came: RDA tensors' part of `sum` is Σ r·unit(Δ)."""
         self.vanished = 0
         """RDA tensors whose mean direction vanished in `result` (merged as the mean, or as 0 without the fallback)."""
+        self.failed: str | None = None
+        """Why folding a contribution in failed (its caller sets it): the round's sums are not to be published."""
         self.count = 0
         self.base = 0.0
         """The weight others are taken relative to; 0 while no weight was positive."""
@@ -138,7 +144,10 @@ class StreamingMerge:
             self.sum, self.units, self.total = None, None, 0.0  # zero-weight contributions so far count for nothing
             self.in_place, self._first_payload = False, None
         r = weight / self.base if self.base else 1.0
-        if r == 0.0:
+        if r > RESCALE_ABOVE:
+            self._rescale(self.base / weight)
+            r = 1.0
+        if r == 0.0 or not math.isfinite(r):
             return
         if self.empty:  # kept as it is: one contribution merges to itself, with no rounding
             if payload is not None and payload.codec != "fp32":
@@ -173,6 +182,19 @@ class StreamingMerge:
                         self.units[at : at + chunk.numel()].add_(chunk, alpha=unit_scale)
             offset += numel
 
+    def _rescale(self, factor: float) -> None:
+        """Make a much heavier newcomer the reference weight: every sum so far times `factor` (< 1), so relative
+        weights stay ≤ RESCALE_ABOVE and no declared counter can overflow the sums (a weight 10^38 times the
+        first one would turn them to inf)."""
+        self.base /= factor
+        self.total *= factor
+        self.norms = [n * factor for n in self.norms]
+        if self.sum is not None:
+            self.sum.mul_(factor)
+        if self.units is not None:
+            self.units.mul_(factor)
+        # a first contribution still encoded is scaled by `total` when it is decoded
+
     def _decode_first(self) -> None:
         """The first contribution as the running sum, decoded again from its payload if it was kept encoded."""
         if self._first_payload is None:
@@ -181,6 +203,8 @@ class StreamingMerge:
         self.sum = self.buffers.take(numel) if self.buffers is not None else torch.empty(numel)
         decode(self._first_payload, self.sum)
         self._first_payload = None
+        if self.total != 1.0:  # rescaled while encoded (`_rescale`): the sum is total·Δ
+            self.sum.mul_(self.total)
 
     def _second_in_place(self, delta: torch.Tensor, r: float, norms: list[float]) -> None:
         """The second contribution while the first is still encoded: `delta` becomes the one running sum (r·unit(Δ)

@@ -21,6 +21,7 @@ import time
 import grpc
 
 from diloco import codec
+from diloco.ids import InvalidLearnerId, check_learner_id
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
 from diloco.learner import heap
@@ -193,11 +194,9 @@ class GrpcTransport(HeartbeatNews):
     # ---- joining ------------------------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], initial) -> JoinInfo:
         self.learner_id = learner_id
-        from diloco.syncer.core import Refused, check_learner_id
-
         try:  # the syncer refuses it too; saying so here is clearer (and a 20 KB id is no request to send)
             check_learner_id(learner_id)
-        except Refused:
+        except InvalidLearnerId:
             raise SyncerError(f"invalid learner id {shown(learner_id)}: use 1-64 letters, digits, '.', '_' or '-', "
                               f"starting with a letter or digit") from None
         digests = getattr(initial, "digests", None)  # the fragments still at these values are not sent to us

@@ -14,7 +14,6 @@ the worker touches. Only the worker adds learners, so it may read the ledger wit
 
 from __future__ import annotations
 
-import hmac
 import math
 import re
 import secrets
@@ -26,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from diloco import codec
+from diloco import codec, ids
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
 from diloco.merge import StreamingMerge, segment_norms, token_weight
@@ -38,15 +37,15 @@ from diloco.syncer.buffers import Buffers
 from diloco.syncer.downlink import Publication
 from diloco.syncer.fragment_state import Contribution, FragmentState
 from diloco.syncer.norm_guard import NormGuard
+from diloco.syncer.reference import Counters
 from diloco.syncer.store import StateStore
 
 
-LEARNER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
 def check_learner_id(learner_id: str) -> str:
-    if not LEARNER_ID.fullmatch(learner_id):
-        raise Refused(f"invalid learner id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    return learner_id
+    try:
+        return ids.check_learner_id(learner_id)
+    except ids.InvalidLearnerId as e:
+        raise Refused(str(e)) from None
 
 
 DEPARTED_KEPT = 4096
@@ -93,6 +92,8 @@ class SyncerCore:
         self.quorum_avg = MovingAverage()
         self.sync_avg = MovingAverage()
         self.rounds = 0
+        self.dropped_rounds = 0
+        """Rounds closed without publishing (non-finite or outsized merged Δ: rounds.unpublishable)."""
         self.started_at = clock()
         self.started_unix = time.time()  # only to line reports up with other processes' logs
         self.round_log: deque[tuple[float, int, int, int]] = deque(maxlen=ROUND_LOG_KEPT)
@@ -100,6 +101,9 @@ class SyncerCore:
         self.recent_rounds: deque[tuple[float, int, int, int]] = deque(maxlen=RECENT_ROUNDS)
         """The latest of them, for /status and the dashboard (a copy of all would be costly twice a second)."""
         self.refusals: dict[str, int] = {}
+        self.counters = Counters()
+        """Declared tokens and tokens per step of accepted parameter contributions, per credential: what a
+        contribution's counters are bounded by (`SyncConfig.max_counter_ratio`)."""
         self.stopping = False
         self._outbox: list[Publication] = []
         """Publications of rounds closed outside `poll` (see `push`); the next poll returns them."""
@@ -177,9 +181,10 @@ class SyncerCore:
 
     def norm_guard(self, fragment: Fragment) -> NormGuard | None:
         """The outlier bounds for a parameter fragment (buffers are averaged, not stepped: no bound)."""
-        if fragment.role != "params" or not (self.cfg.norm_ceiling or self.cfg.max_norm_ratio):
+        if fragment.role != "params" or not (self.cfg.norm_ceiling or self.cfg.max_norm_ratio or self.cfg.clip_norm_ratio):
             return None
-        return NormGuard(fragment.numel, self.cfg.norm_ceiling, self.cfg.max_norm_ratio, self.cfg.sync_every)
+        return NormGuard(fragment.numel, self.cfg.norm_ceiling, self.cfg.max_norm_ratio, self.cfg.sync_every,
+                         self.cfg.clip_norm_ratio)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The global model as its whole state_dict: every tensor in its own dtype, in model order, an alias (a tied
@@ -200,8 +205,9 @@ class SyncerCore:
         return [fs for fs in self.fragments if fs.fragment.role == "params"]
 
     # ---- membership ---------------------------------------------------------------------------------------
-    def join(self, learner_id: str, specs: list[TensorSpec]) -> str:
-        """Admit a learner whose model matches; returns its new session id. Refused on any mismatch."""
+    def join(self, learner_id: str, specs: list[TensorSpec], credential: str | None = None) -> str:
+        """Admit a learner whose model matches; returns its new session id. Refused on any mismatch. `credential`:
+        the name of the credential it proved (None: a shared run token, and the id stands for itself)."""
         check_learner_id(learner_id)
         if self.stopping:
             raise Refused("the syncer is shutting down; retry against its replacement")
@@ -223,6 +229,7 @@ class SyncerCore:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
             record.session, record.joined_at, record.last_seen, record.left, record.left_at = session, now, now, False, None
+            record.credential = credential or learner_id
             record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None
             self.record_event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
@@ -246,7 +253,9 @@ class SyncerCore:
         """The live learners a round of `fs` waits for. In a synchronous mode, not those that joined after its first
         push arrived: they start their schedules after that fragment (`_start_position`) and will not push it
         until its next turn, while their peers block on its merge."""
-        if not self.cfg.wait_for_merge or fs.opened_at is None:
+        if not self.cfg.wait_for_merge:
+            return self.pushing(live) | (live & frozenset(fs.pending))
+        if fs.opened_at is None:
             return live
         return frozenset(i for i in live if self.learners[i].joined_at <= fs.opened_at or i in fs.pending)
 
@@ -261,7 +270,7 @@ class SyncerCore:
 
     def _record(self, learner_id: str, session: str) -> LearnerRecord:
         record = self.learners.get(learner_id)
-        if record is None or not hmac.compare_digest(record.session.encode(), session.encode()):
+        if record is None or not record.check_session(session):
             raise Refused(f"unknown learner or wrong session for learner {learner_id!r}: it left, re-joined "
                           f"elsewhere or never joined; join again")
         return record
@@ -285,7 +294,7 @@ class SyncerCore:
         together under the lock. Any thread: never waits for a merge."""
         with self.lock:
             stop = self.heartbeat(learner_id, session, **progress)
-            return stop, self.phase_lead(learner_id), self.tokens_trained(), self.budget_progress()
+            return stop, self.phase_lead(learner_id), self.budget_tokens(), self.budget_progress()
 
     def should_stop(self) -> bool:
         if self.stopping:
@@ -299,7 +308,7 @@ class SyncerCore:
         shares = []
         if self.token_budget:
             with self.lock:
-                shares.append(self.tokens_trained() / self.token_budget)
+                shares.append(self.budget_tokens() / self.token_budget)
         if self.duration and self.first_join_at is not None:
             shares.append((self.clock() - self.first_join_at) / self.duration)
         return min(max(shares), 1.0) if shares else None
@@ -338,6 +347,28 @@ class SyncerCore:
     def tokens_trained(self) -> int:
         with self.lock:
             return sum(r.tokens_trained for r in self.learners.values())
+
+    def budget_tokens(self) -> int:
+        """Tokens the budget and the learning-rate progress count: per learner what its heartbeats report, but never
+        more than its accepted pushes carried plus two contributions' worth (what it trained since its latest
+        pushes). A claim in a heartbeat alone spends nothing."""
+        with self.lock:
+            return int(sum(min(r.tokens_trained, r.tokens_accepted + 2 * (r.contribution_tokens.value or 0.0))
+                           for r in self.learners.values()))
+
+    def pushing(self, learners) -> frozenset[str]:
+        """Those of `learners` that push: a push accepted in their current session within two cycles (H of their
+        step times) or the absence timeout, whichever is longer, or joined within the absence timeout (their first
+        push is on its way). An id that only heartbeats holds no round and counts in no round's share."""
+        with self.lock:
+            now, H = self.clock(), self.cfg.sync_every
+
+            def pushes(r: LearnerRecord) -> bool:
+                if r.last_push is None or r.last_push[0] < r.joined_at:
+                    return now - r.joined_at <= self.cfg.absent_after_seconds
+                return now - r.last_push[0] <= max(self.cfg.absent_after_seconds, 2 * H * (r.step_time.value or 0.0))
+
+            return frozenset(i for i in learners if pushes(self.learners[i]))
 
     def tokens_merged(self) -> int:
         with self.lock:
@@ -379,15 +410,13 @@ class SyncerCore:
             record.last_seen = self.clock()
             if 0 <= fragment < len(self.fragments) and not self.owns(fragment):
                 return PushResult(False, f"wrong shard: fragment {fragment} is served by {self.owner(fragment)}")
-            if seq <= record.merged_seq.get(f"{session}:{fragment}", 0):
+            if seq <= record.merged_before(session, fragment):
                 # merged before (perhaps before a restart): its result may have been missed, so send the current values
                 return PushResult(True, "duplicate push ignored", duplicate=True, resync=True)
             pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
             if pending is not None and (pending.session, pending.seq) == (session, seq):
                 return PushResult(True, "duplicate push ignored", duplicate=True)
             arrived = self.clock()
-            if 0 <= fragment < len(self.fragments) and self.fragments[fragment].fragment.role == "params":
-                record.last_push = (arrived, fragment)  # its phase in the push schedule, for predicting the next
         try:
             delta = self._validate(fragment, steps, tokens, payload)  # decodes: no lock
         except Refused as e:
@@ -399,27 +428,42 @@ class SyncerCore:
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
         staleness = fs.version - base_version
-        method = self.cfg.merge if fs.fragment.role == "params" else "mean"
+        params = fs.fragment.role == "params"
+        method = self.cfg.merge if params else "mean"
         # one read of Δ gives its norms to the guard and to RDA alike
         norms = segment_norms(delta, segments(fs.fragment)) if fs.guard or method == "rda" else None
         per_step = fs.guard.per_step(math.sqrt(sum(n * n for n in norms)), steps) if fs.guard else 0.0
-        fragment_norm = self._fragment_norm(fs) if fs.guard else 0.0
+        fragment_norm = self.fragment_norm(fs) if fs.guard else 0.0
         with self.lock:
+            credential = record.credential or learner_id
             if staleness < 0 or staleness > self.cfg.max_staleness:
-                self.buffers.give(delta)
-                record.refused += 1
-                self.refusals["stale"] = self.refusals.get("stale", 0) + 1
-                return PushResult(False, f"contribution based on version {base_version} of fragment {fragment} "
-                                  f"which is at {fs.version}: fetch the current fragment", resync=True)
-            outlier = fs.guard.judge(learner_id, per_step, fragment_norm) if fs.guard else None
+                return self._refuse(record, delta, "stale", f"contribution based on version {base_version} of fragment "
+                                    f"{fragment} which is at {fs.version}: fetch the current fragment")
+            outlier = fs.guard.judge(credential, per_step, fragment_norm) if fs.guard else None
             if outlier is not None:
-                self.buffers.give(delta)
-                record.refused += 1
-                reason = outlier.split(":")[0]
-                self.refusals[reason] = self.refusals.get(reason, 0) + 1
-                return PushResult(False, f"{outlier} of fragment {fragment}", resync=True)
+                return self._refuse(record, delta, outlier.split(":")[0], f"{outlier} of fragment {fragment}")
+            bound = fs.guard.clip_bound(credential, fragment_norm) if fs.guard else None
+            declared = counted = rounds.counted_as(tokens, steps, self.cfg)
+            carried = float(tokens)
+            free_ride = bool(self.cfg.max_counter_ratio and norms is not None and not any(norms))
+            if free_ride:  # no progress at all, whatever it claims: it counts for no tokens and has no weight
+                counted, carried = (0.0, counted[1]), 0.0
+            elif params:
+                counted = self.counters.plausible(credential, *counted, self.cfg.max_counter_ratio)
+                carried = self.counters.plausible(credential, tokens, steps, self.cfg.max_counter_ratio)[0]
+        if bound is not None and per_step > bound:
+            # the robust merge: merged at the typical size of other parties' steps, not refused
+            factor = bound / per_step
+            delta.mul_(factor)
+            norms, per_step, payload = [n * factor for n in norms], bound, None
+        with self.lock:
             if fs.guard:
-                fs.guard.accept(learner_id, per_step)
+                fs.guard.accept(credential, per_step)
+            if params and not free_ride:
+                self.counters.accept(credential, *counted)
+                # every token trains every fragment: a shard counts its own fragments' share of each
+                record.tokens_accepted += carried / max(1, sum(1 for f in self.owned if f.fragment.role == "params"))
+                record.last_push = (arrived, fragment)  # its phase in the push schedule, for predicting the next
             record.pushes += 1
             record.staleness = staleness
             if transfer_seconds:
@@ -429,12 +473,20 @@ class SyncerCore:
             # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
             # to take it out again; docs/architecture.md, Syncer memory)
             self._outbox.extend(rounds.close(self, fragment, fs, {"reason": "repeat"}))
-        c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, arrived)
+        c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, arrived, counted,
+                         counted != declared)
         if fs.merging is None:
             fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers, self.cfg.rda_mean_fallback)
         # the version cannot change while the round is open, so the weight is the one the round closes with
-        fs.merging.add(delta, token_weight(*rounds.counted_as(c.tokens, c.steps, self.cfg), fs.version - base_version,
-                                             self.cfg.staleness_decay), norms, payload)
+        weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay)
+        try:
+            fs.merging.add(delta, weight, norms, payload)
+        except (ArithmeticError, RuntimeError, ValueError) as e:
+            # the sums may be half updated: the round is dropped when it closes (rounds.close), never published
+            fs.merging.failed = f"{type(e).__name__}: {e}"
+            with self.lock:
+                fs.pending[learner_id] = c
+            return PushResult(False, f"merge error: {fs.merging.failed}; its round is dropped", resync=True)
         if fs.merging.sum is not delta:  # folded in, or kept encoded as the round's first: free for the next push
             self.buffers.give(delta)
         with self.lock:
@@ -442,6 +494,13 @@ class SyncerCore:
             if fs.opened_at is None:
                 fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
         return PushResult(True)
+
+    def _refuse(self, record: LearnerRecord, delta: torch.Tensor, reason: str, message: str) -> PushResult:
+        """Refuse a decoded contribution (the lock held): its buffer back, the refusal counted, a resync."""
+        self.buffers.give(delta)
+        record.refused += 1
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        return PushResult(False, message, resync=True)
 
     def _validate(self, fragment: int, steps: int, tokens: int, payload: codec.Encoded) -> torch.Tensor:
         if not self.initialized:
@@ -470,7 +529,7 @@ class SyncerCore:
             raise Refused("non-finite values: the outer gradient contains NaN or Inf")
         return delta
 
-    def _fragment_norm(self, fs: FragmentState) -> float:
+    def fragment_norm(self, fs: FragmentState) -> float:
         """‖P_v‖ of the fragment's current version (core worker: rounds change it only there)."""
         if fs.norm_at is None or fs.norm_at[0] != fs.version:
             fs.norm_at = (fs.version, fs.values.norm().item())
@@ -584,6 +643,7 @@ class SyncerCore:
                 "started_unix": self.started_unix,
                 "initialized": self.initialized,
                 "rounds": self.rounds,
+                "dropped_rounds": self.dropped_rounds,
                 "versions": [fs.version for fs in self.fragments],
                 "pending": [len(fs.pending) for fs in self.fragments],
                 "tokens_trained": self.tokens_trained(),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco import codec
+from diloco.codec import tensor_checksum
 from diloco.syncer.ledger import LearnerRecord
 
 WINDOW = 8
@@ -29,10 +30,6 @@ class Publication:
     seq: int = 0
     """The push this answers; the learner ignores answers to pushes it no longer waits for. 0 for the first links of
     a chain of changes (and any other value it must hold without applying it), since learners number pushes from 1."""
-
-
-def tensor_checksum(x: torch.Tensor) -> int:
-    return codec.checksum(x.contiguous().numpy())  # the bytes in place: no copy of the fragment
 
 
 def publish_change(fs, version: int, down_codec: str, theta: torch.Tensor) -> None:

@@ -24,6 +24,11 @@ class Contribution:
     tokens: int
     data_position: int
     arrived_at: float | None = None
+    counted: tuple[float, float] | None = None
+    """(tokens, steps) it counts for in weights, shares and the budget: at most H steps' worth (`counted_as`),
+    bounded against other credentials' typical counters (`Counters.plausible`); None: as declared."""
+    bounded: bool = False
+    """Whether those bounds (or a zero Δ) lowered `counted` below what `counted_as` makes of its counters."""
     """Clock time the push was accepted (the tape records it: a replay can ask when a round could have closed)."""
 
 
@@ -54,6 +59,8 @@ class FragmentState:
     residual: torch.Tensor | None = None
     """Θ − P_v in bf16, with `published`: the quantisation error of the last change sent. Its rounding is below
     2^-8 of an error that is itself a fraction of one change, far below the resolution of Θ in fp32."""
+    round_steps: deque = field(default_factory=lambda: deque(maxlen=32))
+    """Norm per step of the fragment's latest published merged Δ, for the bound on the next (`max_round_ratio`)."""
     changes: deque = field(default_factory=deque)
     """(w, encoded P_w − P_{w−1}, CRC-32 of P_w) for the latest versions w: chains for learners a few behind."""
     checksum: tuple[int, int] | None = None

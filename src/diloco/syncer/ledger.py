@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 from dataclasses import dataclass, field
 
 from diloco.policy import MovingAverage
+
+
+def session_hash(secret: str) -> str:
+    """What is kept of a session secret at rest: its SHA-256 (128 random bits: not to be guessed back from it)."""
+    return hashlib.sha256(b"diloco-session\0" + secret.encode()).hexdigest()
+
+
+def hashed_seqs(merged_seq: dict[str, int]) -> dict[str, int]:
+    """`merged_seq` keyed by "session hash:fragment" instead of "secret:fragment" (restored keys already are)."""
+    out: dict[str, int] = {}
+    for key, seq in merged_seq.items():
+        session, _, fragment = key.rpartition(":")
+        hashed = f"{session if len(session) == 64 else session_hash(session)}:{fragment}"
+        out[hashed] = max(seq, out.get(hashed, 0))
+    return out
 
 
 @dataclass
 class LearnerRecord:
     id: str
     session: str
+    """Its current session secret, in memory only: "" in a record restored from disk, which knows the session by
+    `restored_hash` until the learner joins again, and authenticates it by hashing what it presents."""
     joined_at: float
     """When its current session began (its latest join)."""
     last_seen: float
@@ -40,25 +60,55 @@ class LearnerRecord:
     """(clock time, fragment) of its latest push: its phase in the push schedule."""
     start_position: int | None = None
     """Where its push schedule starts in a synchronous mode, set at join (SyncerCore._start_position)."""
+    restored_hash: str = ""
+    """`session_hash` of its session when the state was saved (a restored record; the ledger holds no secret)."""
     versions: dict[int, int] = field(default_factory=dict)
     """Per fragment, the version v of the published values P_v this learner holds: downlink changes start there.
     Not saved: after a restart every learner gets full values once (it may have missed what was being sent)."""
     merged_seq: dict[str, int] = field(default_factory=dict)
     """Highest merged push sequence number per "session:fragment": a re-sent push is merged at most once."""
+    credential: str = ""
+    """Who vouched for this learner: its own credential's name, or its id under a shared run token (each id then
+    counts as a party of its own). References of declared values are per credential (syncer/reference.py)."""
+    tokens_accepted: float = 0.0
+    """Tokens its accepted parameter pushes carried (bounded as weights are), per fragment they cover: what the
+    token budget and the learning-rate progress count, never heartbeat claims alone."""
 
-    SAVED = ("id", "session", "left", "step", "tokens_trained", "tokens_merged", "data_position", "loss",
-             "tokens_per_second", "pushes", "merged", "refused", "applied", "speed", "merged_seq")
+    SAVED = ("id", "left", "step", "tokens_trained", "tokens_merged", "data_position", "loss",
+             "tokens_per_second", "pushes", "merged", "refused", "applied", "speed", "merged_seq",
+             "credential", "tokens_accepted")
+
+    @property
+    def session_hash(self) -> str:
+        return session_hash(self.session) if self.session else self.restored_hash
+
+    def check_session(self, secret: str) -> bool:
+        """Whether `secret` is this learner's current session secret: compared by hash, in constant time."""
+        return hmac.compare_digest(self.session_hash, session_hash(secret))
+
+    def merged_before(self, secret: str, fragment: int) -> int:
+        """Highest merged sequence number of this session's pushes of `fragment`, 0 if none; a restored record's
+        keys hold the session's hash."""
+        return max(self.merged_seq.get(f"{secret}:{fragment}", 0),
+                   self.merged_seq.get(f"{session_hash(secret)}:{fragment}", 0))
 
     def to_json(self) -> dict:
+        """The saved form: hashes of session secrets, never the secrets (a reader of the state cannot act as it)."""
         out = {k: getattr(self, k) for k in self.SAVED}
+        out.update(session_hash=self.session_hash, merged_seq=hashed_seqs(self.merged_seq))
         out.update(step_time=self.step_time.value, contribution_tokens=self.contribution_tokens.value)
         return out
 
     @classmethod
     def from_json(cls, data: dict, now: float) -> "LearnerRecord":
-        record = cls(data["id"], data["session"], now, now)
+        record = cls(data["id"], "", now, now)
+        record.restored_hash = data["session_hash"] if "session_hash" in data else session_hash(data["session"])
+        if not isinstance(record.restored_hash, str):
+            raise TypeError(f"session_hash of learner {record.id!r} is not a string")
         for k in cls.SAVED:
-            setattr(record, k, data[k])
+            if k in data or k not in ("credential", "tokens_accepted"):  # both absent from older ledgers
+                setattr(record, k, data[k])
+        record.merged_seq = hashed_seqs(record.merged_seq)  # a ledger saved with secrets in it: hashed now
         record.step_time.value, record.contribution_tokens.value = data["step_time"], data["contribution_tokens"]
         return record
 
@@ -73,3 +123,7 @@ class LearnerRecord:
             "staleness": self.staleness,
             "last_push_ago": None if self.last_push is None else round(now - self.last_push[0], 3),
         }
+
+
+NOBODY = LearnerRecord("", secrets.token_urlsafe(16), 0.0, 0.0)
+"""Checked against when a learner id is unknown: the answer costs the same work as for a known one."""

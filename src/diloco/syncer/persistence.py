@@ -12,6 +12,7 @@ import torch
 from diloco.atomic import Chunked
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec, plan_fragments
+from diloco.syncer.fragment_state import FragmentState
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer.store import Damaged, Loaded, StateError, fragment_version
 
@@ -156,7 +157,6 @@ def check(loaded: Loaded) -> None:
 
 
 def restore(core) -> bool:
-    from diloco.syncer.core import ROUND_LOG_KEPT, FragmentState
 
     loaded = core.store.load(check) if core.store else None
     if loaded is None:
@@ -189,7 +189,7 @@ def restore(core) -> bool:
     core.rounds, core.refusals = led["rounds"], led["refusals"]
     # a crash between appending a round's line and persisting the round leaves a line for a version that was
     # never published; it is produced again after the restart, so the history keeps only what the state holds
-    kept = [e for e in core.store.rounds(ROUND_LOG_KEPT)
+    kept = [e for e in core.store.rounds(core.round_log.maxlen)
             if len(e) == 4 and isinstance(e[1], int) and 0 <= e[1] < len(core.fragments)
             and e[2] <= core.fragments[e[1]].version]
     try:

@@ -92,7 +92,9 @@ def replay(events: list[dict], slack: float = SLACK) -> tuple[int, list[Differen
         for c in contributors:
             if "weight" not in c:
                 continue
-            weight = token_weight(*counted_as(c["tokens"], c["steps"], cfg), c["staleness"], cfg.staleness_decay)
+            # counters bounded against other learners' history (which a tape does not hold) are taken as recorded
+            counted = c["counted"] if c.get("bounded") else counted_as(c["tokens"], c["steps"], cfg)
+            weight = token_weight(*counted, c["staleness"], cfg.staleness_decay)
             if abs(weight - c["weight"]) > 1e-9 * max(1.0, abs(weight)):
                 differences.append(Difference(fragment, version, f"{c['learner']}'s weight {weight:.6g}; the syncer "
                                                                  f"used {c['weight']:.6g}"))

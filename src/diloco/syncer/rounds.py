@@ -3,6 +3,9 @@ the publications (DESIGN §3.4), and how much each contribution counts in weight
 
 from __future__ import annotations
 
+import logging
+import math
+import statistics
 import time
 
 import torch
@@ -13,6 +16,9 @@ from diloco.merge import token_weight
 from diloco.outer import delayed_nesterov_step, nesterov_step
 from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
+from diloco.syncer.norm_guard import MIN_SAMPLES, PRIOR_PER_STEP, fragment_scale
+
+log = logging.getLogger("diloco.syncer")
 
 
 def counted_as(tokens: int, steps: int, cfg: SyncConfig) -> tuple[float, float]:
@@ -35,13 +41,19 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     with core.lock:
         contributions = list(fs.pending.values())
         opened_at, quorum_at = fs.opened_at, fs.quorum_at
-        counted = [counted_as(c.tokens, c.steps, core.cfg) for c in contributions]
+        counted = [c.counted or counted_as(c.tokens, c.steps, core.cfg) for c in contributions]
         share = (round_share(core, fs, contributions, [t for t, _ in counted])
                  if core.cfg.scale_partial_rounds and params else 1.0)
     merging, fs.merging = fs.merging, None
     # ---- the arithmetic, without the lock
-    delta = merging.result()
+    delta = merging.result() if merging.failed is None else None
     vanished = merging.vanished
+    steps = sum(s for _, s in counted) / len(counted)
+    refused = unpublishable(core, fs, delta, merging.failed, steps, params)
+    if refused is not None:
+        if delta is not None:
+            core.buffers.give(delta)
+        return drop(core, index, fs, contributions, refused, decision)
     fs.reclaim()  # joins streaming the current values keep them as they are
     lossy = core.cfg.down_codec != "fp32"
     if lossy and fs.published is None and core.cfg.bf16_residual:  # P was Θ: from here Θ is P + a bf16 residual
@@ -49,6 +61,9 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         fs.residual = torch.zeros(fs.published.numel(), dtype=torch.bfloat16)
     elif lossy and fs.published is None:
         fs.published = fs.theta.clone()  # P was Θ until now: the first lossy change is taken from it
+    merged_step = torch.linalg.vector_norm(delta).item() / max(steps, 1.0) if params else 0.0
+    if merged_step > 0:  # a frozen phase's zero rounds would make any later step look outsized
+        fs.round_steps.append(merged_step)
     if share < 1.0:
         delta.mul_(share)
     pending_share = fs.pending_share
@@ -101,6 +116,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                     contributors=[{"learner": c.learner, "steps": c.steps, "tokens": c.tokens,
                                    "at": None if c.arrived_at is None else round(c.arrived_at - core.started_at, 6),
                                    "staleness": fs.version - 1 - c.base_version,
+                                   "counted": [round(x, 6) for x in counted_c],
+                                   **({"bounded": True} if c.bounded else {}),
                                    "weight": token_weight(*counted_c, fs.version - 1 - c.base_version,
                                                           core.cfg.staleness_decay)}
                                   for c, counted_c in zip(contributions, counted)])
@@ -143,7 +160,10 @@ def round_share(core, fs, contributions: list, counted: list[float]) -> float:
     present = {c.learner for c in contributions}
     fallback = tokens / len(contributions)
     expected = core.awaited(fs, core.live()) | left_during(core, contributions)
-    missing = sum(core.learners[i].contribution_tokens.value or fallback for i in expected - present)
+    # a learner's typical contribution counts for at most max_counter_ratio of this round's: one that declared
+    # huge counters once cannot shrink every other round's step while it stays away
+    cap = core.cfg.max_counter_ratio * fallback if core.cfg.max_counter_ratio else math.inf
+    missing = sum(min(core.learners[i].contribution_tokens.value or fallback, cap) for i in expected - present)
     return tokens / (tokens + missing)
 
 
@@ -155,3 +175,43 @@ def left_during(core, contributions: list) -> set[str]:
     if not starts:
         return set()
     return {r.id for r in core.learners.values() if r.left_at is not None and r.left_at > min(starts)}
+
+
+def unpublishable(core, fs, delta: torch.Tensor | None, failed: str | None, steps: float, params: bool) -> str | None:
+    """Why a round's merged Δ must not be published (None: it may): its merge failed, it is not finite, or its
+    norm per step is over `max_round_ratio` × the median of the fragment's recent rounds (a prior from the
+    fragment's own norm before MIN_SAMPLES of them)."""
+    if failed is not None:
+        return f"merge failed ({failed})"
+    if not codec.all_finite(delta):
+        return "the merged outer gradient is not finite"
+    ratio = core.cfg.max_round_ratio
+    if not ratio or not params:  # buffers are averaged values, not steps
+        return None
+    per_step = torch.linalg.vector_norm(delta).item() / max(steps, 1.0)
+    if len(fs.round_steps) >= MIN_SAMPLES:
+        typical, of = statistics.median(fs.round_steps), "the median of its recent rounds"
+    else:
+        typical = PRIOR_PER_STEP * fragment_scale(fs.fragment.numel, core.fragment_norm(fs))
+        of = "a typical step for its size"
+    if per_step > ratio * typical:
+        return f"merged step {per_step:.3g} per step is over {ratio:g}× {of} ({typical:.3g})"
+    return None
+
+
+def drop(core, index: int, fs, contributions: list, reason: str, decision: dict | None) -> list[Publication]:
+    """Close a round without publishing it: Θ, the outer state and the version stay as they were, the
+    contributions count as merged (re-sends are duplicates) but add no tokens, and each contributor is sent what
+    takes it to the last good values."""
+    with core.lock:
+        fs.pending, fs.opened_at, fs.quorum_at, fs.at_quorum = {}, None, None, None
+        for c in contributions:
+            key = f"{c.session}:{index}"
+            record = core.learners[c.learner]
+            record.merged_seq[key] = max(c.seq, record.merged_seq.get(key, 0))
+        core.dropped_rounds += 1
+        log.warning("dropped round of fragment %d (version %d stays published): %s", index, fs.version, reason)
+        core.record_event("dropped", fragment=index, version=fs.version, reason=reason, decision=decision,
+                          contributors=[c.learner for c in contributions])
+    full: list[codec.Encoded] = []
+    return [pub for c in contributions for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]

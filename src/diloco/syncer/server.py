@@ -85,6 +85,9 @@ class ServerOptions:
     the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
     credentials: Path | None = None
     """Per-learner credentials (--credentials, syncer/credentials.py): each listed id joins with its own token."""
+    client_cert_ids: bool = False
+    """With mutual TLS (tls_client_ca): each learner's client certificate names its id (common name) and is its
+    credential (--client-cert-ids)."""
 
 
 HTTP_TIMEOUT = 10.0
@@ -95,6 +98,8 @@ def exposure_problems(opts: ServerOptions) -> tuple[list[str], list[str]]:
     """What the listening addresses expose: (errors that refuse to start, warnings to log). Loopback is trusted;
     beyond it the gRPC port needs the run token, and the token must not travel in plaintext unless `insecure`."""
     errors, warnings = [], []
+    if opts.client_cert_ids and not (opts.tls_client_ca and opts.tls_cert):
+        errors.append("--client-cert-ids needs mutual TLS: pass --tls-cert, --tls-key and --tls-client-ca")
 
     def plaintext(text: str, fix: str) -> None:  # allowed with --insecure, as a warning
         if opts.insecure:
@@ -103,7 +108,7 @@ def exposure_problems(opts: ServerOptions) -> tuple[list[str], list[str]]:
             errors.append(f"{text}; {fix}, or --insecure to accept that")
 
     if not is_loopback(opts.listen):
-        if not (opts.token or opts.credentials):
+        if not (opts.token or opts.credentials or opts.client_cert_ids):
             errors.append(f"listening on {opts.listen} (beyond loopback) needs secrets: pass --credentials (a token "
                           f"per learner) or --token (one shared by trusted learners)")
         elif opts.tls_cert is None:
@@ -304,7 +309,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     metrics = SyncerMetrics()
     service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout,
                             allow_takeover=opts.allow_takeover, initial_model=initial,
-                            credentials=Credentials.load(opts.credentials) if opts.credentials else None)
+                            credentials=Credentials.load(opts.credentials) if opts.credentials else None,
+                            client_cert_ids=opts.client_cert_ids)
     if on_service:
         on_service(service)
     server = grpc.aio.server(options=SERVER_OPTIONS)

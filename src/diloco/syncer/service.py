@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +31,7 @@ from diloco.syncer.downlink import Publication
 from diloco.syncer.guard import ShuttingDown, guarded, short
 from diloco.syncer.initial_model import InitialModelFile
 from diloco.syncer.initial_upload import IDLE, InitialUpload
+from diloco.syncer.ledger import NOBODY, session_hash
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
@@ -42,18 +42,33 @@ from diloco.wire.compression import unpack
 from diloco.wire.messages import blobs, specs_from_proto
 
 log = logging.getLogger("diloco.syncer")
+MAX_STREAMS = 4
+"""Update streams, and push streams, one learner may hold open at once (a learner uses one of each; a reconnect
+may overlap the old stream briefly): one party cannot multiply what it costs the syncer."""
+HEARTBEATS_PER_SECOND = 20.0
+"""Sustained heartbeats a learner may send (a learner sends 2 a second), with a burst of as many again."""
 EXPIRY_SECONDS = 10.0
 """How often departed learners' records are looked at for expiry (SyncerCore.expire)."""
 
 
 class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
-                 allow_takeover: bool = False, initial_model: InitialModelFile | None = None):
+                 allow_takeover: bool = False, initial_model: InitialModelFile | None = None, credentials=None,
+                 client_cert_ids: bool = False):
         """`stall_timeout`: seconds the learner uploading the initial model may send nothing before another joiner
         takes the upload over; also how long any client stream (Init, Push) may send nothing before it is ended.
         `allow_takeover`: a Join under a live id supersedes it without that learner's session secret.
-        `initial_model`: the initial global model from a file (--initial-model): no learner uploads it."""
+        `initial_model`: the initial global model from a file (--initial-model): no learner uploads it.
+        `credentials`: per-learner credentials (`syncer.credentials.Credentials`, --credentials): a listed id joins
+        with its own token only. `client_cert_ids`: under mutual TLS, a learner's client certificate names its id
+        (its common name) and is its credential."""
         self.core = core
+        self.credentials = credentials
+        self.client_cert_ids = client_cert_ids
+        self._heartbeat_allowance: dict[str, tuple[float, float]] = {}
+        """Per learner: (heartbeats it may still send at once, when that was reckoned), a token bucket."""
+        self._push_streams: dict[str, int] = {}
+        """Push streams open per learner."""
         self.metrics = metrics
         self.token = token
         self.stall_timeout = stall_timeout
@@ -191,6 +206,43 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         if self.token and not hmac.compare_digest(self.token.encode(), token.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token: pass the syncer's --token")
 
+    async def _check_credential(self, context, learner_id: str, token: str) -> str | None:
+        """The credential a Join or Init proves: the learner's own, named by its id (an id listed in --credentials
+        needs its own token; the shared one cannot take it), or the shared run token (None: each id then counts as
+        a party of its own)."""
+        if self.client_cert_ids:
+            names = context.auth_context().get("x509_common_name") or [b""]
+            certified = names[0].decode(errors="replace")
+            if certified != learner_id:
+                await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "wrong credential", (
+                    f"learner id {shown(learner_id)} is not the one its client certificate names "
+                    f"({shown(certified)}): a certificate proves one id; join under that one"))
+            await self._check_token(context, token)
+            return learner_id
+        if self.credentials is not None and learner_id in self.credentials.digests:
+            if self.credentials.check(learner_id, token):
+                return learner_id
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong credential", (
+                f"wrong or missing credential for learner {shown(learner_id)}: pass its own token with --token (the "
+                f"one `diloco credentials new {learner_id}` printed)"))
+        if self.credentials is not None and not self.token:
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong credential", (
+                f"learner id {shown(learner_id)} has no credential on this syncer: ask its operator to add one "
+                f"(`diloco credentials new ID --file FILE`) and pass that token with --token"))
+        await self._check_token(context, token)
+        return None
+
+    def _heartbeat_allowed(self, learner_id: str) -> bool:
+        """A token bucket of HEARTBEATS_PER_SECOND per learner, holding as many."""
+        now = time.monotonic()
+        left, at = self._heartbeat_allowance.get(learner_id, (HEARTBEATS_PER_SECOND, now))
+        left = min(HEARTBEATS_PER_SECOND, left + (now - at) * HEARTBEATS_PER_SECOND)
+        if left < 1.0:
+            self._heartbeat_allowance[learner_id] = (left, now)
+            return False
+        self._heartbeat_allowance[learner_id] = (left - 1.0, now)
+        return True
+
     def _new_queue(self) -> UpdateQueue:
         # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
         # never reads reaches this
@@ -214,7 +266,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         """Seconds since `learner_id` joined if its current session is live here (its update stream is open and
         it was heard from within the absence timeout); None otherwise."""
         record = self.core.learners.get(learner_id)
-        if record is None or record.left or not self._streams.get((learner_id, record.session)):
+        if record is None or record.left or not self._streams.get((learner_id, record.session_hash)):
             return None
         now = self.core.clock()
         if now - record.last_seen > self.core.cfg.absent_after_seconds:
@@ -225,7 +277,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     @guarded
     async def Join(self, request, context):
         self._count_in(request)
-        await self._check_token(context, request.token)
+        credential = await self._check_credential(context, request.learner_id, request.token)
         await self._check_id(context, request.learner_id)
         try:
             specs = specs_from_proto(request.specs)
@@ -238,7 +290,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             yield self._count_out(pb.JoinReply(header=self._init_header(request.learner_id)))
             return
         live_for = self._live_for(request.learner_id)
-        if live_for is not None and not self._may_take_over(request):
+        if live_for is not None and not (credential is not None or self._may_take_over(request)):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, (
                 f"learner id {request.learner_id!r} is already live in this run (joined {live_for:.0f} s ago); every "
                 f"learner needs its own id — or, in a torchrun job, create the Learner with process_group=... so "
@@ -246,9 +298,10 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
                 f"for the syncer to notice, or start the syncer with --allow-takeover"))
         if live_for is not None:
             log.warning("learner %s takes over its live id (%s)", request.learner_id,
+                        "its own credential" if credential is not None else
                         "its session secret" if request.session else "--allow-takeover")
         try:
-            session = await self._core(self.core.join, request.learner_id, specs)
+            session = await self._core(self.core.join, request.learner_id, specs, credential)
             snapshot = await self._core(self.core.snapshot_for_join, request.learner_id, False)  # lent, not copied
         except Refused as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -299,16 +352,15 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         """Whether a Join may supersede the live learner under its id: only with that learner's session secret,
         unless the operator allowed takeovers."""
         record = self.core.learners.get(request.learner_id)
-        owner = record is not None and bool(request.session) and hmac.compare_digest(
-            record.session.encode(), request.session.encode())
+        owner = record is not None and bool(request.session) and record.check_session(request.session)
         return owner or self.allow_takeover
 
     async def _authenticate(self, context, learner_id: str, session: str) -> None:
         """The learner's session secret is its credential for Push, Subscribe, Heartbeat and Leave (a read-only
         lookup). Unknown ids and wrong secrets get the same answer: it tells no one which ids exist."""
         record = self.core.learners.get(learner_id)
-        expected = record.session if record is not None else secrets.token_urlsafe(16)  # same work either way
-        if not hmac.compare_digest(expected.encode(), session.encode()) or record is None:
+        expected = record if record is not None else NOBODY  # same work either way
+        if not expected.check_session(session) or record is None:
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
                                f"unknown learner or wrong session for learner {shown(learner_id)}: it left, re-joined "
                                f"elsewhere or never joined; join again")
@@ -343,12 +395,25 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     @guarded
     async def Push(self, request_iterator, context):
         chunks = self._chunks(request_iterator, context)
+        held: list[str] = []
         try:
-            return await self._push(chunks, context)
+            return await self._push(chunks, context, held)
         finally:
+            for learner_id in held:
+                self._push_streams[learner_id] -= 1
+                if not self._push_streams[learner_id]:
+                    del self._push_streams[learner_id]
             await chunks.aclose()  # a read still pending ends with the stream
 
-    async def _push(self, chunks, context):
+    async def _hold_push_stream(self, context, learner_id: str, held: list[str]) -> None:
+        """Count an authenticated push stream against its learner's MAX_STREAMS."""
+        if self._push_streams.get(learner_id, 0) >= MAX_STREAMS:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams", (
+                f"learner {shown(learner_id)} has {MAX_STREAMS} pushes open already; a learner pushes one at a time"))
+        self._push_streams[learner_id] = self._push_streams.get(learner_id, 0) + 1
+        held.append(learner_id)
+
+    async def _push(self, chunks, context, held: list[str]):
         started = time.monotonic()
         header, parts, received = None, [], 0
         async for chunk in chunks:
@@ -359,6 +424,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
                 if header is not None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push carries one header, first")
                 await self._admit_push(chunk.header, context)
+                await self._hold_push_stream(context, chunk.header.learner_id, held)
                 header = chunk.header
             elif header is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push data before its header")
@@ -405,12 +471,16 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     async def Subscribe(self, request, context):
         self._count_in(request)
         record = self.core.learners.get(request.learner_id)
-        if record is None or not hmac.compare_digest(record.session.encode(), request.session.encode()):
+        if record is None or not record.check_session(request.session):
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
                                f"unknown learner or wrong session for learner {shown(request.learner_id)}: it left, "
                                f"re-joined elsewhere or never joined; join again")
+        if sum(n for (lid, _), n in self._streams.items() if lid == request.learner_id) >= MAX_STREAMS:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams", (
+                f"learner {shown(request.learner_id)} has {MAX_STREAMS} update streams open already; a learner "
+                f"needs one"))
         queue = self._queue(request.learner_id)
-        key = (request.learner_id, request.session)
+        key = (request.learner_id, session_hash(request.session))  # a restored record knows only the hash
         self._streams[key] = self._streams.get(key, 0) + 1
         try:
             while True:
@@ -451,6 +521,10 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     async def Heartbeat(self, request, context):
         self._count_in(request)
         await self._authenticate(context, request.learner_id, request.session)
+        if not self._heartbeat_allowed(request.learner_id):
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many heartbeats", (
+                f"learner {shown(request.learner_id)} sends heartbeats faster than {HEARTBEATS_PER_SECOND:g} a "
+                f"second; the syncer answers at most that many"))
         progress = await self._check_progress(request, context)
         started = time.monotonic()
         try:  # beside the core worker: a merge in progress does not delay it
@@ -506,6 +580,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             if queue is not None:
                 queue.put_nowait(None)  # ends a stream that may linger
             self._samples.pop(learner_id, None)
+            self._heartbeat_allowance.pop(learner_id, None)
             log.info("forgot learner %s (departed long ago)", learner_id)
         if learner_ids:
             gone = set(learner_ids)

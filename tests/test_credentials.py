@@ -1,0 +1,177 @@
+"""Per-learner credentials and per-learner limits at the gRPC boundary: an id is its holder's alone, a restarted
+learner reclaims it at once, and one party cannot multiply what it costs the syncer."""
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from diloco.config import for_mode
+from diloco.fragments import tensor_specs
+from diloco.learner.grpc_transport import GrpcTransport
+from diloco.learner.learner import Learner
+from diloco.learner.transport import SyncerError
+from diloco.syncer import credentials
+from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.service import HEARTBEATS_PER_SECOND, MAX_STREAMS
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.messages import specs_to_proto
+from test_hostile_service import Net
+
+SHARED = "shared-s3cret"
+
+
+@pytest.fixture
+def creds(tmp_path):
+    path = tmp_path / "learners.toml"
+    tokens = {lid: credentials.add(path, lid) for lid in ("site-a", "site-b")}
+    return path, tokens
+
+
+@pytest.fixture
+def syncer(creds):
+    path, _ = creds
+    s = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4),
+                     ServerOptions(listen="127.0.0.1:0", http=None, token=SHARED, credentials=path))
+    yield s
+    s.stop()
+
+
+def join(address, learner_id, token, session=""):
+    stub = pb_grpc.SyncerStub(grpc.insecure_channel(address))
+    request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(tensor_specs(Net())), token=token,
+                             session=session)
+    try:
+        return grpc.StatusCode.OK, list(stub.Join(request, timeout=10))[0].header.session
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
+def test_the_file_keeps_only_digests_and_is_readable_by_its_owner_alone(creds):
+    path, tokens = creds
+    text = path.read_text()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert all(t not in text for t in tokens.values())
+    assert credentials.Credentials.load(path).check("site-a", tokens["site-a"])
+    assert not credentials.Credentials.load(path).check("site-a", tokens["site-b"])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[learners.a]\ntoken = 'x'\n", "needs token_sha256"),
+    ("[learners.a]\ntoken_sha256 = 'abc'\n", "needs token_sha256"),
+    ("[people.a]\n", "unknown key"),
+    ("not toml [", "not a TOML file"),
+    ("", "no \\[learners.<id>\\] entry"),
+    ('[learners."-bad"]\ntoken_sha256 = "' + "0" * 64 + '"\n', "not a valid learner id"),
+])
+def test_a_malformed_file_is_refused_naming_what_is_wrong(tmp_path, content, message):
+    path = tmp_path / "c.toml"
+    path.write_text(content)
+    with pytest.raises(credentials.CredentialsError, match=message):
+        credentials.Credentials.load(path)
+
+
+def test_a_listed_id_joins_with_its_own_token_only(syncer, creds):
+    _, tokens = creds
+    Learner(Net(), GrpcTransport(syncer.address, token=tokens["site-a"]), "site-a").close()  # uploads the model
+    # finding: any token holder could take an id before its owner started; neither the shared token nor another
+    # learner's own token opens it now
+    for token in (SHARED, tokens["site-a"], "guess"):
+        code, details = join(syncer.address, "site-b", token)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "its own token" in details
+    assert join(syncer.address, "site-b", tokens["site-b"])[0] == grpc.StatusCode.OK
+    # an unlisted id still joins with the shared token (a trusted learner), and not without it
+    assert join(syncer.address, "guest", SHARED)[0] == grpc.StatusCode.OK
+    assert join(syncer.address, "guest-2", "wrong")[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_restarted_learner_reclaims_its_live_id_with_its_credential(syncer, creds):
+    # finding: 0.0 s after a learner crashed, another token holder took its id, and the owner was refused it
+    _, tokens = creds
+    first = Learner(Net(), GrpcTransport(syncer.address, token=tokens["site-a"]), "site-a")
+    try:
+        assert join(syncer.address, "site-a", SHARED)[0] == grpc.StatusCode.UNAUTHENTICATED  # live, not theirs
+        again = Learner(Net(), GrpcTransport(syncer.address, token=tokens["site-a"], connect_timeout=10), "site-a")
+        again.close()  # joined at once although the first session still looked live
+    finally:
+        first.close()
+
+
+def test_without_a_shared_token_an_unlisted_id_is_told_to_ask_for_a_credential(creds):
+    path, tokens = creds
+    s = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4),
+                     ServerOptions(listen="127.0.0.1:0", http=None, credentials=path))
+    try:
+        Learner(Net(), GrpcTransport(s.address, token=tokens["site-a"]), "site-a").close()
+        code, details = join(s.address, "stranger", "")
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "diloco credentials new" in details
+        with pytest.raises(SyncerError, match="credential"):
+            Learner(Net(), GrpcTransport(s.address, token="nope", connect_timeout=5), "site-b")
+    finally:
+        s.stop()
+
+
+def test_heartbeats_beyond_the_rate_are_refused_and_later_ones_answered(syncer, creds):
+    _, tokens = creds
+    Learner(Net(), GrpcTransport(syncer.address, token=tokens["site-b"]), "site-b").close()  # uploads the model
+    code, session = join(syncer.address, "site-a", tokens["site-a"])
+    stub = pb_grpc.SyncerStub(grpc.insecure_channel(syncer.address))
+    codes = []
+    for _ in range(int(3 * HEARTBEATS_PER_SECOND)):
+        try:
+            stub.Heartbeat(pb.HeartbeatRequest(learner_id="site-a", session=session), timeout=10)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+            assert "faster than" in e.details()
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the allowance refills
+        try:
+            stub.Heartbeat(pb.HeartbeatRequest(learner_id="site-a", session=session), timeout=10)
+            return
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            time.sleep(0.1)
+    pytest.fail("heartbeats were not answered again once the allowance refilled")
+
+
+def test_update_streams_per_learner_are_bounded(syncer, creds):
+    _, tokens = creds
+    Learner(Net(), GrpcTransport(syncer.address, token=tokens["site-a"]), "site-a").close()
+    code, session = join(syncer.address, "site-b", tokens["site-b"])
+    channel = grpc.insecure_channel(syncer.address)
+    stub = pb_grpc.SyncerStub(channel)
+    streams = [stub.Subscribe(pb.SubscribeRequest(learner_id="site-b", session=session)) for _ in range(MAX_STREAMS)]
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the extra stream is refused once the others are open
+            extra = stub.Subscribe(pb.SubscribeRequest(learner_id="site-b", session=session), timeout=5)
+            try:
+                next(extra)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    assert "update streams open" in e.details()
+                    break
+                assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline
+    finally:
+        for s in streams:
+            s.cancel()
+        channel.close()
+
+
+def test_the_command_prints_a_token_and_a_syncer_process_admits_it(tmp_path):
+    path = tmp_path / "c.toml"
+    out = subprocess.run([sys.executable, "-m", "diloco", "credentials", "new", "site-z", "--file", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    token = out.stdout.strip()
+    assert credentials.Credentials.load(path).check("site-z", token) and token not in path.read_text()
+    bad = subprocess.run([sys.executable, "-m", "diloco", "credentials", "new", "-x", "--file", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
