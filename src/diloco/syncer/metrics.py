@@ -23,6 +23,20 @@ def reason_label(reason: str) -> str:
     return " ".join(text.split())[:40] or "other"
 
 
+PER_LEARNER = (
+    ("live", "live", "1 while the learner is live, 0 once absent or gone"),
+    ("step", "step", "inner steps the learner reports"),
+    ("tokens_per_second", "tokens_per_second", "tokens a second the learner reports"),
+    ("step_seconds", "step_seconds", "the learner's moving average of its step time"),
+    ("staleness", "staleness", "versions its latest accepted contribution was behind"),
+    ("pushes", "pushes", "pushes of the learner admitted"),
+    ("merged", "merged", "contributions of the learner merged"),
+    ("refused", "refused", "pushes of the learner refused"),
+    ("last_seen_ago", "last_seen_seconds", "seconds since the learner was last heard from"),
+)
+"""Per-learner series (labelled by id) taken from /status: field, metric name, help."""
+
+
 class SyncerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -66,6 +80,10 @@ class SyncerMetrics:
         self.memory = Gauge("diloco_syncer_memory_bytes", "bytes the syncer holds by part (docs/architecture.md, "
                             "Syncer memory), and its resident set (part=rss)", ["part"], registry=r)
         self._reasons: set[str] = set()
+        self.per_learner = {
+            field: Gauge(f"diloco_learner_{name}", text, ["learner"], registry=r)
+            for field, name, text in PER_LEARNER}
+        self._learners: set[str] = set()
 
     def observe_event(self, kind: str, fields: dict) -> None:
         """Participation, staleness and round times from the core's round events."""
@@ -101,6 +119,20 @@ class SyncerMetrics:
         self.tokens_merged.set(status["tokens_merged"])
         for part, size in status.get("memory", {}).items():
             self.memory.labels(part).set(size)
+        seen = set()
+        for learner in status["learners"]:
+            seen.add(learner["id"])
+            for field, gauge in self.per_learner.items():
+                value = learner["state"] == "live" if field == "live" else learner.get(field)
+                if value is not None:
+                    gauge.labels(learner["id"]).set(float(value))
+        for gone in self._learners - seen:  # forgotten by the syncer: its series go too (labels stay bounded)
+            for gauge in self.per_learner.values():
+                try:
+                    gauge.remove(gone)
+                except KeyError:
+                    pass
+        self._learners = seen
 
     def wire_by_direction(self) -> dict[str, int]:
         """Bytes sent to and received from learners (the syncer's view), for /status."""
