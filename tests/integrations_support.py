@@ -163,3 +163,36 @@ def final_model(state: pathlib.Path, build=tiny_gpt2):
     model = build(seed=1)
     model.load_state_dict(load_file(state / "model.safetensors"), strict=True)
     return model
+
+
+def lightning_module(model=None, lr: float = 3e-3):
+    """The tiny GPT-2 as a LightningModule: the model's own loss, AdamW (fused, as a Trainer makes it)."""
+    import lightning.pytorch as pl
+
+    class CausalLM(pl.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.0, fused=True)
+
+    return CausalLM(model if model is not None else tiny_gpt2())
+
+
+def lightning_trainer(out: pathlib.Path, steps: int, callbacks: list, **options):
+    import lightning.pytorch as pl
+
+    args = dict(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(out),
+                num_sanity_val_steps=0)
+    args.update(options)
+    return pl.Trainer(callbacks=callbacks, **args)
+
+
+def loader(rows: list[dict], batch_size: int):
+    """The rows in their order, batch after batch (no shuffling: runs compare step by step)."""
+    return torch.utils.data.DataLoader(Rows(rows), batch_size=batch_size, shuffle=False, collate_fn=collate)

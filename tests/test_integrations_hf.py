@@ -63,8 +63,7 @@ def test_two_trainers_learn_one_model_and_a_killed_trainer_rejoins_from_its_chec
             bob = worker(syncer, "bob", tmp_path, "--shard", "1", "--steps", "96")
             # alice's restart, started now so that its imports are done by the time it is told to go
             go = tmp_path / "restart-alice"
-            again = worker(syncer, "alice", tmp_path, "--shard", "0", "--save-steps", "8", "--resume", "--start-when",
-                           str(go))
+            again = worker(syncer, "alice", tmp_path, "--shard", "0", "--save-steps", "8", "--start-when", str(go))
             procs += [alice, bob, again]
             wait_for(lambda: len(checkpoints(tmp_path / "alice")) >= 2
                      and syncer.learner("alice").get("merged", 0) >= 2, timeout=240)
@@ -73,7 +72,8 @@ def test_two_trainers_learn_one_model_and_a_killed_trainer_rejoins_from_its_chec
             merged_before = syncer.learner("alice")["merged"]
             last = checkpoints(tmp_path / "alice")[-1]
             assert last < 10000
-            (tmp_path / "steps").write_text(str(last + 32))  # resumed from its newest checkpoint: 32 more steps
+            # resumed from its newest whole checkpoint (the record is written last), it trains 32 more steps
+            (tmp_path / "steps").write_text(f"{last + 32} {tmp_path / 'alice' / f'checkpoint-{last}'}")
             (tmp_path / "steps").rename(go)
 
             finished(bob, tmp_path / "bob.log")

@@ -1,5 +1,5 @@
 """One learner as a Hugging Face Trainer with DiLoCoCallback (a separate process, so a test can SIGKILL it):
-trains the tiny GPT-2 on its shard, saves checkpoints every --save-steps, resumes from the newest with --resume,
+trains the tiny GPT-2 on its shard, saves checkpoints every --save-steps, resumes from the one --resume names,
 and writes what its learner did to --summary. With --start-when it waits, imports done, until that file
 exists."""
 
@@ -27,24 +27,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--save-steps", type=int, default=8)
     p.add_argument("--out", required=True)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", help="the checkpoint folder to resume from")
     p.add_argument("--summary", required=True)
-    p.add_argument("--start-when", help="a file: train once it exists, for as many steps in all as it says (a standby "
-                                        "for a restart, its imports done)")
+    p.add_argument("--start-when", help="a file: train once it exists, for as many steps in all as it says, from the "
+                                        "checkpoint it names (a standby for a restart, its imports done)")
     a = p.parse_args()
     torch.set_num_threads(1)
     rows = examples(a.shard, a.num_shards, 256)  # the Trainer goes over them as many epochs as max_steps takes
     if a.start_when:
         while not pathlib.Path(a.start_when).exists():
             time.sleep(0.05)
-        a.steps = int(pathlib.Path(a.start_when).read_text())
+        steps, checkpoint = pathlib.Path(a.start_when).read_text().split()
+        a.steps, a.resume = int(steps), checkpoint
     callback = DiLoCoCallback(a.syncer, a.id, connect_timeout=60)
     args = TrainingArguments(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=8, learning_rate=3e-3,
                              lr_scheduler_type="constant", save_steps=a.save_steps, logging_steps=4, report_to=[],
                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=a.shard)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Rows(rows), data_collator=collate,
                       callbacks=[callback])
-    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    trainer.train(resume_from_checkpoint=a.resume)
     learner = callback.learner
     pathlib.Path(a.summary).write_text(json.dumps({
         "steps": learner.step_count, "pushes": learner.pushes, "applied": learner.applied, "tokens": learner.tokens,
