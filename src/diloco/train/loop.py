@@ -16,6 +16,7 @@ from diloco.learner.transport import Transport
 from diloco.train.config import ModelConfig, TrainConfig, lr_at, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler
 from diloco.train.model import build_model
+from diloco.train.optimizer_state import OptimizerCheckpoint
 
 log = logging.getLogger("diloco.learner")
 
@@ -41,6 +42,9 @@ class WorkerOptions:
     """Also write the per-step curves as TensorBoard event files into this directory."""
     stop: threading.Event | None = None
     """Set (e.g. on SIGTERM) to leave the run after the current step, pushing what is left first."""
+    optimizer_checkpoint: Path | None = None
+    """Where this learner keeps its inner optimizer's state (every 30 s and at the end), and resumes it from when
+    it restarts under its id (train/optimizer_state.py); None keeps none."""
 
 
 def train_config_to_json(cfg: TrainConfig) -> str:
@@ -159,6 +163,12 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
                                         process_group=process_group)
     learner = Learner(model, transport, opts.learner_id, speed=opts.speed, process_group=process_group)
     optimizer = make_inner_optimizer(model, cfg)
+    checkpoint = None
+    if opts.optimizer_checkpoint is not None:
+        path = opts.optimizer_checkpoint  # DDP ranks hold equal states, but each its own: a file per rank
+        path = path if ranks == 1 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+        checkpoint = OptimizerCheckpoint(path, opts.learner_id, optimizer)
+        checkpoint.resume()
     sampler = ShardSampler(corpus.train, opts.shard * ranks + rank, opts.num_shards * ranks, cfg.model.seq_len,
                            cfg.batch_size, cfg.seed, position=learner.data_position)
     clock = StepClock(opts.speed, opts.pace)
@@ -178,10 +188,14 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
             loss = train_step(model, optimizer, x, y, learner.step_count, cfg, progress)
             busy = clock.finish(t0)
             learner.step(tokens_per_step, loss=loss, data_position=sampler.position)
+            if checkpoint is not None:
+                checkpoint.maybe_save()
             metrics.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
                       tokens_per_second=tokens_per_step * ranks / busy, pushes=learner.pushes, applied=learner.applied,
                       versions=learner.global_fragment_versions())
         learner.finish()
+        if checkpoint is not None:
+            checkpoint.maybe_save(force=True)
     except BaseException:
         learner.close()
         raise
