@@ -91,7 +91,7 @@ def proc_figures(pid: int) -> tuple[int, float]:
 
 JOINS_AT_ONCE = 4
 """Synthetic learners joining at the same time: each join holds a copy of the model on the syncer while it is sent
-(docs/results.md), so the benchmark staggers them as a deployment would."""
+(benchmarks/LOG.md, "Syncer throughput and durable rounds"), so the benchmark staggers them as a deployment would."""
 
 
 async def synthetic_learner(name: str, syncers: list[dict], specs, payloads, versions: dict, rate: float,

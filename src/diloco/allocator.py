@@ -3,9 +3,9 @@
 glibc gives each thread that allocates while another holds an arena a new arena, up to 8 per core, and keeps what
 a thread frees in its own arena. The syncer's threads (gRPC's, the core worker, the ledger) take turns allocating
 fragment-sized buffers and payloads, so each arena ends up holding its own high-water mark: a GPT-2 run's syncer
-peaked at 3.84–4.28× the fp32 model with the default and 3.67× with two arenas (docs/results.md). The limit holds
-only if set before the process's threads start allocating (glibc fixes it when the ninth arena is made), so the
-syncer sets it first thing; `MALLOC_ARENA_MAX` in the environment, if set, wins."""
+peaked at 3.84–4.28× the fp32 model with the default and 3.67× with two arenas (benchmarks/LOG.md, "Why the arena
+cap"). The limit holds only if set before the process's threads start allocating (glibc fixes it when the ninth arena
+is made), so the syncer sets it first thing; `MALLOC_ARENA_MAX` in the environment, if set, wins."""
 
 from __future__ import annotations
 

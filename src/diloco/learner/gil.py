@@ -9,7 +9,7 @@ GIL_SWITCH_SECONDS = 0.0005
 """Python's thread switch interval while a learner runs (Python's default is 5 ms). The sender and receiver
 threads run Python between their numpy and gRPC calls; the training thread, which needs the GIL between every two
 torch ops, then waited up to a whole interval each time. GPT-2 124M on CPU, one training thread: step-time
-overhead +7.0% with 5 ms, +4.8% with 0.5 ms (medians of three; docs/results.md, "Learner overhead and memory")."""
+overhead +7.0% with 5 ms, +4.8% with 0.5 ms (medians of three; benchmarks/LOG.md, "Learner overhead and memory")."""
 
 _switch = {"learners": 0, "before": None}
 _switch_lock = threading.Lock()
