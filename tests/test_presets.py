@@ -21,14 +21,14 @@ def test_the_paper_preset_turns_off_every_mechanism_marked_ours():
     assert (paper.outer_lr, paper.outer_momentum, paper.down_codec) == (0.7, 0.9, "fp32")
     assert (paper.fragments, paper.quorum, paper.codec, paper.merge) == (24, 1, "int4", "rda")  # the mode's
     assert default.scale_partial_rounds and default.clamp_long_contributions
-    # rounds wait a cycle for predicted peers, learners keeping their progress meanwhile (docs/results.md, "What
+    # rounds wait a cycle for predicted peers, learners keeping their progress meanwhile (benchmarks/LOG.md, "What
     # costs tokens"); push alignment measured not to pay off: off, still a switch
     assert default.keep_overlap and default.grace_expect_steps == default.sync_every == 24
     assert for_mode("decoupled", 4, sync_every=12).grace_expect_steps == 12  # one cycle, whatever H
     assert for_mode("decoupled", 4, grace_expect_steps=0).grace_expect_steps == 0
     assert not default.align_pushes
     # one running sum per open round: half the merge memory, 1.5× the merge speed, and the fallback it drops never
-    # ran in the measured runs (docs/results.md, "Syncer memory")
+    # ran in the measured runs (benchmarks/LOG.md, "Syncer memory")
     assert paper.rda_mean_fallback and not default.rda_mean_fallback
     assert default.bf16_residual and not paper.bf16_residual  # half a model less syncer memory, same loss
     assert not any(getattr(for_mode(m, 4), "keep_overlap") or for_mode(m, 4).grace_expect_steps

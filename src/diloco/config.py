@@ -51,7 +51,7 @@ class SyncConfig:
     grace_cap_steps: float = 1.0
     """Cap of the adaptive grace window, in learner step times."""
     grace_expect_steps: float = 0.0
-    """Ours (0 is the paper's window alone; decoupled mode: H, one cycle, by measurement, docs/results.md). Also keep
+    """Ours (0 is the paper's window alone; decoupled mode: H, one cycle, by measurement, benchmarks/LOG.md). Also keep
     a round open for live learners whose push of the fragment is predicted (from their last push and step time)
     within this many step times of the round's opening. Learners never wait for it: a later merged fragment is
     applied when it arrives (with keep_overlap, without losing the steps taken meanwhile)."""
@@ -66,7 +66,7 @@ class SyncConfig:
     """Codec of merged fragments sent back; below fp32 the syncer sends the change from what the learner holds."""
     wire_compression: str = "none"
     """Ours. zstd-compress int4/int8 payloads both ways (none or zstd): 5–17% fewer bytes on real outer gradients
-    for the CPU of compressing them (docs/results.md, Fewer bytes). Learners follow the syncer's setting."""
+    for the CPU of compressing them (benchmarks/LOG.md, Fewer bytes). Learners follow the syncer's setting."""
     error_feedback: bool = False
     """Carry each fragment's quantisation error into its next push (learner side)."""
     merge: str = "rda"
@@ -75,7 +75,7 @@ class SyncConfig:
     """Ours when off (on is the paper's). RDA falls back to the weighted mean where the contributions' mean direction
     vanishes (DESIGN §3.4). Off, such a tensor merges to 0 (unit(0) = 0), and an open round keeps one running sum, Σ w·unit(Δ), instead
     of two: half the memory of every round in flight and three memory streams per contribution instead of five
-    (docs/results.md). The fallback is rare: `diloco_rda_vanished_total` counts it."""
+    (benchmarks/LOG.md). The fallback is rare: `diloco_rda_vanished_total` counts it."""
     scale_partial_rounds: bool = True
     """Ours (the paper takes a full outer step every round). Scale a round's merged Δ by the share of the expected tokens it carries (its tokens over those plus the
     typical contribution of each live learner missing from it). 1 when everyone contributes; with K = 1 and
@@ -99,7 +99,7 @@ class SyncConfig:
     blend: float = 0.0
     """α: a learner sets θ ← α·θ + (1−α)·Θ on apply; 0 overwrites (the published default)."""
     keep_overlap: bool = False
-    """Ours (off is the paper's overwrite; decoupled mode: on, by measurement, docs/results.md). On apply, keep the
+    """Ours (off is the paper's overwrite; decoupled mode: on, by measurement, benchmarks/LOG.md). On apply, keep the
     local progress made since the push: θ ← Θ + (θ − θ at push), instead of discarding the steps between push and
     apply (overwrite). Their steps and tokens then count toward the next push. Costs the learner what it needs to
     read the values at each push back: the pushed bf16 Δ (CPU, int4) or an fp32 snapshot, per fragment in flight,
@@ -108,7 +108,7 @@ class SyncConfig:
     """Ours (the paper keeps Θ in fp32; with a down codec below fp32, so does off). Once a lossy downlink makes the
     published values P differ from Θ, keep Θ as P + (Θ − P) in bf16 instead of a second fp32 copy: half a model
     less syncer memory. Θ − P is the quantisation error of the last change sent, so the rounding this adds is
-    about 2^-9 of that error, a few hundred-thousandths of a change (docs/results.md, "Syncer memory")."""
+    about 2^-9 of that error, a few hundred-thousandths of a change (benchmarks/LOG.md, "Syncer memory")."""
     sync_buffers: bool = True
     """Average floating-point buffers (e.g. BatchNorm running statistics) across learners: each learner sends them
     with its push of fragment 0 (every H steps) and the syncer sets them to the token-weighted mean of what arrived.
@@ -182,7 +182,7 @@ def for_mode(mode: str, learners: int, preset: str | None = None, **overrides) -
     base = {
         # outer η = 1, μ = 0 measured best for K = 1. Rounds stay open for the peers predicted to push within one
         # cycle (H steps), and learners keep their progress meanwhile: equal-speed learners drift many steps apart,
-        # and rounds of one contributor cost most of the gap to dp's tokens (docs/results.md, "What costs decoupled
+        # and rounds of one contributor cost most of the gap to dp's tokens (benchmarks/LOG.md, "What costs decoupled
         # mode tokens"). Push alignment did not pay off. The synchronous modes keep DiLoCo's published 0.7 / 0.9,
         # as the methods they reproduce
         "decoupled": dict(quorum=1, wait_for_merge=False, codec="int4", outer_lr=1.0, outer_momentum=0.0,

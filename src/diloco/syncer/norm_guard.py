@@ -4,7 +4,7 @@ their norm per local step (declared steps counted up to H: declaring more buys n
 - **Ceiling**, from a run's first push: at most `norm_ceiling` × the fragment's own norm per step (√n·NEAR_ZERO_RMS
   for a fragment near zero). An honest AdamW step moves each value by about the learning rate, so a step's Δ
   relative to the fragment is about lr / rms(θ): 0.003–0.11 for GPT-2-style models at lr 6e-4–1e-2
-  (docs/results.md).
+  (benchmarks/LOG.md).
 - **Population**: at most `max_norm_ratio` × the reference of the fragment's accepted contributions, once
   MIN_SAMPLES of them are known. The reference is per credential (syncer/reference.py): the median over *other*
   credentials of their recent medians, so neither many ids of one party nor a party's own history move it.
