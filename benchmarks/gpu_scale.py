@@ -359,14 +359,17 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
     result: dict = dict(model=size, parameters=count_parameters(rep.model), batch=[batch, seq], steps=steps)
     lr = setup.train.lr
 
-    def loop(n: int, learner) -> float:
-        sync(setup.device)
-        started = time.perf_counter()
+    def steps_of(n: int, learner) -> None:
         for _ in range(n):
             rows = torch.randint(0, vocab, (batch, seq + 1), device=setup.device, generator=gen)
             rep.step(rows[:, :-1], rows[:, 1:], lr)
             if learner is not None:
                 learner.step(tokens_per_step)
+
+    def loop(n: int, learner) -> float:
+        sync(setup.device)
+        started = time.perf_counter()
+        steps_of(n, learner)
         sync(setup.device)
         return n * tokens_per_step / (time.perf_counter() - started)
 
@@ -383,8 +386,9 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
                 with_learner.append(loop(steps, learner))
                 log(f"  {size}: repeat {r + 1}: {plain[-1]:,.0f} tokens/s plain, {with_learner[-1]:,.0f} with Learner")
             # every step pushes a fragment (P = H): a few steps show whether a push or an apply synchronises
-            result["syncs_plain"] = profile_syncs(lambda: loop(profile_steps, None), setup.device)
-            result["syncs_learner"] = profile_syncs(lambda: loop(profile_steps, learner), setup.device)
+            # (no synchronize of ours inside: what is counted is the loop's, the Learner's and the profiler's own)
+            result["syncs_plain"] = profile_syncs(lambda: steps_of(profile_steps, None), setup.device)
+            result["syncs_learner"] = profile_syncs(lambda: steps_of(profile_steps, learner), setup.device)
             learner.finish(timeout=120)
         except BaseException:
             learner.close()
@@ -418,19 +422,24 @@ def profile_syncs(body, device: torch.device) -> dict:
     training = max(by_thread, key=by_thread.get) if by_thread else None
     on_training: dict[str, int] = {}
     elsewhere: dict[str, int] = {}
+    threads: dict[str, dict] = {}  # every thread's matrix products and blocking calls, to read the trace by hand
     for e in events:
         if e.name in SYNC_CALLS:
             target = on_training if e.thread == training else elsewhere
             target[e.name] = target.get(e.name, 0) + 1
+            calls = threads.setdefault(str(e.thread), {"matmuls": by_thread.get(e.thread, 0), "syncs": {}})["syncs"]
+            calls[e.name] = calls.get(e.name, 0) + 1
     return dict(training_thread=sum(on_training.values()), training_thread_calls=on_training,
-                other_threads=sum(elsewhere.values()), other_thread_calls=elsewhere)
+                other_threads=sum(elsewhere.values()), other_thread_calls=elsewhere,
+                training_thread_id=training, threads=threads)
 
 
 # ---- calibration and the plan --------------------------------------------------------------------------------------
 def calibrate(setup: Setup, log) -> dict[str, float]:
     """Seconds per token of dp and of 4 decoupled learners, from a few steps each (after a warm-up)."""
-    probe = replace(setup, tokens=setup.batch * setup.model.seq_len * 6, evals=1)
+    probe = replace(setup, tokens=setup.batch * setup.model.seq_len * 8, evals=1)
     far = time.monotonic() + 600
+    run_dp(replace(probe, tokens=setup.batch * setup.model.seq_len * 2), far, "warm-up", log=lambda *_: None)
     out = {}
     for name, run in (("dp", lambda: run_dp(probe, far, "calibrate-dp", log=lambda *_: None)),
                       ("decoupled-4", lambda: run_decoupled(probe, "calibrate-4", 4, "default", far,
@@ -533,6 +542,7 @@ def parse_args(argv=None):
     p.add_argument("--parts", default="overhead,quality,mixed", help="comma-separated subset of the parts")
     p.add_argument("--overhead-steps", type=int, default=40, help="steps per overhead phase (40)")
     p.add_argument("--overhead-repeats", type=int, default=3, help="alternating phase pairs (3)")
+    p.add_argument("--profile-steps", type=int, default=8, help="steps profiled per loop for synchronisations (8)")
     p.add_argument("--overhead-batch", type=int, help="sequences per overhead step (35m: 16, 124m: 8; --smoke: 4)")
     args = p.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PART_SHARES)
@@ -552,7 +562,7 @@ def parse_args(argv=None):
         args.batch = min(args.batch, 16)
         args.eval_batches, args.eval_batch_size = min(args.eval_batches, 4), min(args.eval_batch_size, 8)
         args.overhead_steps, args.overhead_repeats = min(args.overhead_steps, 4), min(args.overhead_repeats, 2)
-        args.warmup = min(args.warmup, 5)
+        args.warmup, args.profile_steps = min(args.warmup, 5), min(args.profile_steps, 3)
     if args.budget is None:
         args.budget = 120.0 if args.smoke else 540.0
     if args.batch % 4:
@@ -624,7 +634,7 @@ def main(argv=None) -> int:
             per_model = time.monotonic() + (deadline - time.monotonic()) / (2 if size == "35m" else 1)
             batch = args.overhead_batch or (4 if args.smoke else batch)
             rows.append(overhead(setup, size, models[size], batch, args.overhead_steps,
-                                 args.overhead_repeats, per_model, 3 if args.smoke else 8, log))
+                                 args.overhead_repeats, per_model, args.profile_steps, log))
         report["overhead"] = dict(rows=rows, goal=OVERHEAD_GOAL,
                                   notes=[f"{r['model']}: {r['stopped']}" for r in rows if r.get("stopped")])
     else:
