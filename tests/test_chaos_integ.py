@@ -7,14 +7,18 @@ from collections import defaultdict
 
 import pytest
 
+from diloco.procs import die_with_parent
+
 pytestmark = pytest.mark.timeout(200)
 
 
 def chaos_run(tmp_path, scenario, *flags, duration=18):
     out = tmp_path / "run"
+    # on a timeout subprocess.run SIGKILLs the run, and the run's processes die with it (diloco.procs); the run
+    # itself dies with this test process
     proc = subprocess.run([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "3", "--duration",
                            str(duration), "--chaos", scenario, "--json", "--out", str(out), *flags],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, preexec_fn=die_with_parent())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout), out
 

@@ -183,13 +183,23 @@ def test_proxy_command_refuses_bad_settings_before_listening():
             args.func(args)
 
 
+@contextlib.contextmanager
+def killed_at_the_end(process: subprocess.Popen):
+    """Popen's own `with` waits for the process, which a failed assertion would leave running forever."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_proxy_command_partitions_reports_and_stops_on_sigterm(echo):
     script = ("import argparse, sys; from diloco.chaos import cli; cli.STATUS_SECONDS = 0.1; "
               "p = argparse.ArgumentParser(); cli.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); "
               "sys.exit(a.func(a))")
     command = [sys.executable, "-c", script, "proxy", "--listen", "127.0.0.1:0", "--target", echo, "--latency-ms", "5",
                "--partition-at", "0", "--partition-for", "0.3"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process, killed_at_the_end(process):
         first = process.stdout.readline()
         assert "latency 5 ms" in first
         address = first.split("listening on ")[1].split(",")[0]

@@ -85,4 +85,4 @@ def test_model_mismatch_over_grpc_names_the_first_differing_tensor():
 
 def test_syncer_beyond_loopback_requires_a_token(capsys):
     code, err = run_cli(capsys, "syncer", "--listen", "0.0.0.0:0", "--http", "127.0.0.1:0")
-    assert code == 2 and "needs a shared secret: pass --token" in err
+    assert code == 2 and "needs secrets: pass --credentials (a token per learner) or --token" in err

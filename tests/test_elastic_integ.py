@@ -36,17 +36,18 @@ def test_learner_added_mid_run_contributes_and_sigterm_removes_one_cleanly(tmp_p
     log = (tmp_path / "log.txt").open("a")
     syncer = spawn(["syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state", str(tmp_path / "s"),
                     "--learners", "2", "--fragments", "4", "--sync-every", "8"], log)
-    wait_for(lambda: (tmp_path / "s" / "ready.json").exists() or syncer.poll() is not None)
-    assert syncer.poll() is None
-    ready = json.loads((tmp_path / "s" / "ready.json").read_text())
-
-    def learner(i, steps):
-        return spawn(["learner", "--syncer", f"127.0.0.1:{ready['grpc_port']}", "--id", f"l{i}", "--shard", str(i),
-                      "--num-shards", "3", "--max-steps", str(steps), "--train-config", str(tmp_path / "train.json"),
-                      "--summary", str(tmp_path / f"l{i}.json")], log)
-
-    procs = [learner(0, 100000), learner(1, 400)]
+    procs = []
     try:
+        wait_for(lambda: (tmp_path / "s" / "ready.json").exists() or syncer.poll() is not None)
+        assert syncer.poll() is None
+        ready = json.loads((tmp_path / "s" / "ready.json").read_text())
+
+        def learner(i, steps):
+            return spawn(["learner", "--syncer", f"127.0.0.1:{ready['grpc_port']}", "--id", f"l{i}", "--shard",
+                          str(i), "--num-shards", "3", "--max-steps", str(steps), "--train-config",
+                          str(tmp_path / "train.json"), "--summary", str(tmp_path / f"l{i}.json")], log)
+
+        procs += [learner(0, 100000), learner(1, 400)]
         wait_for(lambda: all(learners_in(ready["http_port"]).get(f"l{i}", {}).get("merged", 0) > 0 for i in range(2)))
         watchdog = Watchdog(ready["http_port"])
         procs.append(learner(2, 200))  # a third learner the run was not started with
@@ -63,7 +64,11 @@ def test_learner_added_mid_run_contributes_and_sigterm_removes_one_cleanly(tmp_p
             if p.poll() is None:
                 p.kill()
         syncer.send_signal(signal.SIGTERM)
-        syncer.wait(30)
+        try:
+            syncer.wait(30)
+        except subprocess.TimeoutExpired:
+            syncer.kill()
+            raise
     final = {x["id"]: x for x in json.loads((tmp_path / "s" / "syncer.json").read_text())["learners"]}
     assert final["l0"]["state"] == "left" and final["l0"]["merged"] >= left["merged"]
     assert final["l1"]["merged"] > 0 and final["l2"]["merged"] > 0

@@ -29,15 +29,17 @@ def test_sigstop_learner_is_excluded_then_resumes(tmp_path):
     log = (tmp_path / "log.txt").open("a")
     syncer = spawn(["syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state", str(tmp_path / "s"),
                     "--learners", "2", "--fragments", "4", "--sync-every", "8", "--absent-after-seconds", "1.5"], log)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "s" / "ready.json").exists():
-        assert syncer.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    ready = json.loads((tmp_path / "s" / "ready.json").read_text())
-    learners = [spawn(["learner", "--syncer", f"127.0.0.1:{ready['grpc_port']}", "--id", f"l{i}", "--shard", str(i),
-                       "--num-shards", "2", "--max-steps", "500", "--train-config", str(tmp_path / "train.json"),
-                       "--summary", str(tmp_path / f"l{i}.json")], log) for i in range(2)]
+    learners = []
     try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "s" / "ready.json").exists():
+            assert syncer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        ready = json.loads((tmp_path / "s" / "ready.json").read_text())
+        learners += [spawn(["learner", "--syncer", f"127.0.0.1:{ready['grpc_port']}", "--id", f"l{i}", "--shard",
+                            str(i), "--num-shards", "2", "--max-steps", "500", "--train-config",
+                            str(tmp_path / "train.json"), "--summary", str(tmp_path / f"l{i}.json")], log)
+                     for i in range(2)]
         time.sleep(4)  # both training
         watchdog = Watchdog(ready["http_port"])
         learners[1].send_signal(signal.SIGSTOP)
@@ -52,7 +54,11 @@ def test_sigstop_learner_is_excluded_then_resumes(tmp_path):
                 p.send_signal(signal.SIGCONT)
                 p.kill()
         syncer.send_signal(signal.SIGTERM)
-        syncer.wait(30)
+        try:
+            syncer.wait(30)
+        except subprocess.TimeoutExpired:
+            syncer.kill()
+            raise
     final = json.loads((tmp_path / "s" / "syncer.json").read_text())
     states = {x["id"]: x for x in final["learners"]}
     assert states["l1"]["merged"] > 0 and states["l0"]["merged"] > 0

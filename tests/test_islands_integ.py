@@ -38,7 +38,15 @@ def torchrun(script: pathlib.Path, *args: str, ranks: int = 2) -> subprocess.Pop
 
 
 def finished(proc: subprocess.Popen, timeout: float = 120, result: pathlib.Path | None = None) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun stops its ranks on SIGTERM (they run in sessions of their own)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     # whether the result was written tells a crash in training from one at process exit
     assert proc.returncode == 0, f"result written: {result.exists() if result else '?'}\n{out[-3000:]}"
     return out

@@ -299,7 +299,12 @@ def linked_run(tmp_path, *flags) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "2", "--steps",
                              "20", "--json", "--out", str(out), "--link", "20mbit", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    stdout, stderr = proc.communicate(timeout=100)
+    try:
+        stdout, stderr = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the run removes its links on SIGTERM; its processes die with it (diloco.procs)
+            proc.wait(60)
     assert proc.returncode == 0, stderr[-3000:]
     assert ours(proc.pid) == []
     report = json.loads(stdout)
@@ -340,12 +345,17 @@ def test_ctrl_c_during_a_run_stops_it_and_removes_its_links(tmp_path):
                              "60", "--no-progress", "--out", str(out), "--link", "20mbit"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 60
-    while not list((out / "metrics").glob("*.jsonl")):  # learners train inside their namespaces
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
-        time.sleep(0.2)
-    assert len(ours(proc.pid)) == 3
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((out / "metrics").glob("*.jsonl")):  # learners train inside their namespaces
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.2)
+        assert len(ours(proc.pid)) == 3
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
     assert proc.returncode == 130 and "interrupted" in stderr
     assert ours(proc.pid) == []

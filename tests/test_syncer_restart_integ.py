@@ -26,13 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_syncer(port, state):
+@pytest.fixture
+def started():
+    """Every process the test starts, killed at its end whatever happened: a failing test leaks nothing."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def start_syncer(port, state, started):
     ready = state / "ready.json"
     ready.unlink(missing_ok=True)
     log = (state.parent / "syncer.log").open("a")
     proc = subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "INFO", "syncer", "--listen",
                              f"127.0.0.1:{port}", "--http", "127.0.0.1:0", "--state", str(state), "--learners", "2",
                              "--fragments", "2", "--sync-every", "4"], stdout=log, stderr=subprocess.STDOUT)
+    started.append(proc)
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "syncer did not start"
@@ -67,11 +79,13 @@ def train(learner_id, address, steps, out):
     out[learner_id] = learner
 
 
-def test_syncer_sigkill_and_restart_loses_no_published_round(tmp_path):
+def test_syncer_sigkill_and_restart_loses_no_published_round(tmp_path, started):
     port, state = free_port(), tmp_path / "syncer"
-    proc, info = start_syncer(port, state)
+    proc, info = start_syncer(port, state, started)
     done = {}
-    threads = [threading.Thread(target=train, args=(i, f"127.0.0.1:{port}", STEPS, done)) for i in ("a", "b")]
+    # daemon threads: a failing test does not wait for them to train out their steps
+    threads = [threading.Thread(target=train, args=(i, f"127.0.0.1:{port}", STEPS, done), daemon=True)
+               for i in ("a", "b")]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60  # rounds merged before the kill (joining is slow on a loaded machine)
@@ -81,7 +95,7 @@ def test_syncer_sigkill_and_restart_loses_no_published_round(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     time.sleep(1.5)  # learners keep training while the syncer is away
-    proc, info = start_syncer(port, state)
+    proc, info = start_syncer(port, state, started)
     try:
         restored = status(info)
         # durable before published: everything any learner could have seen is still there

@@ -1,28 +1,29 @@
 """Decoupled DiLoCo: many independent learners, one central syncer, one model.
 
-The public API is imported lazily so that `diloco --help` does not pay for torch and gRPC.
+The public API is imported here, eagerly, so that editors and type checkers resolve `from diloco import Learner`.
+That costs torch and gRPC, which is why the `diloco` console script (diloco_cli) reads the command line without
+running this file: `diloco --help` answers without them.
 """
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "Learner": "diloco.learner.learner",
-    "GrpcTransport": "diloco.learner.grpc_transport",
-    "ShardedTransport": "diloco.learner.sharded",
-    "LocalSyncer": "diloco.learner.transport",
-    "LocalTransport": "diloco.learner.transport",
-    "SyncerError": "diloco.learner.transport",
-    "SyncConfig": "diloco.config",
-    "for_mode": "diloco.config",
-    "SyncerThread": "diloco.syncer.server",
-    "ServerOptions": "diloco.syncer.server",
-}
-__all__ = sorted(_EXPORTS)
+from diloco.config import SyncConfig, for_mode
+from diloco.inprocess import LocalSyncer, LocalTransport
+from diloco.learner.grpc_transport import GrpcTransport
+from diloco.learner.learner import Learner
+from diloco.learner.sharded import ShardedTransport
+from diloco.learner.transport import SyncerError
+from diloco.syncer.server import ServerOptions, SyncerThread
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'diloco' has no attribute {name!r}")
+__all__ = [
+    "GrpcTransport",
+    "Learner",
+    "LocalSyncer",
+    "LocalTransport",
+    "ServerOptions",
+    "ShardedTransport",
+    "SyncConfig",
+    "SyncerError",
+    "SyncerThread",
+    "for_mode",
+]

@@ -9,23 +9,56 @@ import logging
 import sys
 from pathlib import Path
 
-from diloco import __version__
-from diloco.codec import CODECS
-from diloco.config import MODES, PRESETS, WIRE_COMPRESSIONS
+from diloco import checks, static
+
+# read from the source, not imported: both modules import torch, which `diloco --help` must not wait for
+__version__ = static.constant("diloco", "__version__")
+CODECS = static.constant("diloco.codec", "CODECS")
+MODES = static.constant("diloco.config", "MODES")
+PRESETS = static.constant("diloco.config", "PRESETS")
+WIRE_COMPRESSIONS = static.constant("diloco.config", "WIRE_COMPRESSIONS")
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds",
-              "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual", "wire_compression")
+              "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual", "wire_compression",
+              "clip_norm_ratio", "max_counter_ratio", "max_round_ratio")
 
 
 class UserError(Exception):
     """A mistake in how diloco was called; printed as one line, exit code 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """Every diloco parser: flags must be spelled out (`--learner 3` is not `--learners 3`), and a bad flag or value
+    gets the error and a pointer to --help, not the whole usage."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")
+
+
+class _SyncGroups:
+    """Puts each synchronisation flag in --help's "synchronisation" group or, for the settings SyncConfig marks as
+    this project's additions ("Ours", docs/config.md), in "our additions"."""
+
+    def __init__(self, p: argparse.ArgumentParser):
+        self.plain = p.add_argument_group("synchronisation (defaults come from --mode)")
+        self.ours = p.add_argument_group("our additions to the published algorithm (each a switch; --preset paper "
+                                         "turns every one off)")
+        self.names = static.ours()
+
+    def add_argument(self, *flags, **kwargs):
+        dest = kwargs.get("dest") or flags[0].lstrip("-").replace("-", "_")
+        return (self.ours if dest in self.names else self.plain).add_argument(*flags, **kwargs)
+
+
 def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
-    g = p.add_argument_group("synchronisation (defaults come from --mode)")
+    g = _SyncGroups(p)
     g.add_argument("--mode", default="decoupled", choices=modes, help="decoupled (default), streaming, diloco or dp")
     g.add_argument("--preset", choices=PRESETS,
                    help="default: the mode with this project's measured additions; paper: the published algorithm "
@@ -68,6 +101,15 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--norm-ceiling", type=float,
                    help="refuse, from the first push, contributions whose norm per step is over this multiple of the "
                         "fragment's own norm (1; 0: off)")
+    g.add_argument("--clip-norm-ratio", type=float, metavar="RATIO",
+                   help="robust merge: scale a contribution down to this multiple of the norm per step other "
+                        "credentials' contributions typically have (0: off)")
+    g.add_argument("--max-counter-ratio", type=float, metavar="RATIO",
+                   help="count declared tokens and tokens per step as at most this multiple of other credentials' "
+                        "typical ones, in weights, shares and the budget (4; 0: off)")
+    g.add_argument("--max-round-ratio", type=float, metavar="RATIO",
+                   help="drop a round whose merged step is over this multiple of the fragment's recent ones "
+                        "(10; 0: off); non-finite rounds are always dropped")
     g.add_argument("--blend", type=float, help="α: θ ← α·θ + (1−α)·Θ on apply (0: overwrite); needs --no-keep-overlap")
     g.add_argument("--error-feedback", action="store_true", default=None, help="carry quantisation error into the next push")
     g.add_argument("--keep-overlap", action=argparse.BooleanOptionalAction, default=None,
@@ -85,11 +127,26 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
 
 
 def sync_overrides(args) -> dict:
-    return {name: getattr(args, name) for name in SYNC_FLAGS}
+    # the SyncConfig fields a config file's [sync] table set that have no flag (or a hidden one), then the flags
+    flags = {name: getattr(args, name) for name in SYNC_FLAGS}
+    return {**getattr(args, "sync_fields", {}), **{k: v for k, v in flags.items() if v is not None}}
+
+
+def resolved_sync_config(args):
+    """The SyncConfig that `diloco run` or `diloco syncer` runs with these arguments."""
+    from diloco.config import SyncConfig, for_mode, validate
+
+    if getattr(args, "sync_config", None):  # `diloco run` resolved them already
+        cfg = SyncConfig.from_json(args.sync_config.read_text())
+        validate(cfg)
+        return cfg
+    return for_mode(args.mode, args.learners, **sync_overrides(args))
 
 
 def add_train_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("built-in trainer")
+    g = p.add_argument_group("model and data (the built-in trainer)")
+    g.add_argument("--model", choices=("small", "tiny"),
+                   help="built-in model size: small (default, ~0.8M parameters) or tiny (fast checks)")
     g.add_argument("--train-config", type=Path, help="JSON file of the training settings (written by `diloco run`)")
     g.add_argument("--corpus", nargs="+", metavar="PATH", help="your own UTF-8 text files or folders (default: Shakespeare)")
     g.add_argument("--seed", type=int, help="seed of the model initialisation and data order (0)")
@@ -105,12 +162,26 @@ def train_config(args):
     from diloco.train.config import TrainConfig
     from diloco.train.loop import train_config_from_json
 
-    cfg = train_config_from_json(args.train_config.read_text()) if getattr(args, "train_config", None) else TrainConfig()
+    path = getattr(args, "train_config", None)
+    try:
+        cfg = train_config_from_json(path.read_text()) if path else TrainConfig()
+    except OSError as e:
+        raise UserError(f"--train-config {path}: cannot read it: {e.strerror}") from None
     changes = {k: getattr(args, k, None) for k in ("corpus", "seed", "batch_size", "lr", "decay_fraction")}
-    cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+    cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None}, **getattr(args, "train_fields", {}))
+    if getattr(args, "model", None):
+        cfg = replace(cfg, model=model_config(args.model))
     if not 0 <= cfg.decay_fraction <= 1:
         raise ValueError(f"--lr-decay must be between 0 and 1 (a share of the budget), got {cfg.decay_fraction}")
     return cfg
+
+
+def model_config(size: str):
+    """The built-in model of a size name (`--model`)."""
+    from diloco.train.config import ModelConfig
+
+    # tiny: fast checks; the shape the tests and benchmarks call TINY (diloco.run.local)
+    return {"small": ModelConfig(), "tiny": ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2)}[size]
 
 
 def shard_spec(text: str) -> tuple[int, int]:
@@ -177,28 +248,44 @@ def cmd_replay(args) -> int:
     return 1 if differences else 0
 
 
+def cmd_credentials(args) -> int:
+    from diloco.syncer.credentials import CredentialsError, add
+
+    try:
+        token = add(args.file, args.learner_id)
+    except CredentialsError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"--file {args.file}: cannot write it ({e.strerror})") from None
+    print(token)
+    print(f"learner {args.learner_id}'s token (shown once; its SHA-256 is in {args.file})", file=sys.stderr)
+    return 0
+
+
 def cmd_syncer(args) -> int:
     from diloco.allocator import limit_arenas
-    from diloco.config import for_mode
     from diloco.syncer.server import ServerOptions, serve
 
     limit_arenas()  # before any thread allocates (diloco.allocator)
 
-    if args.sync_config:
-        from diloco.config import SyncConfig, validate
-
-        cfg = SyncConfig.from_json(args.sync_config.read_text())
-        validate(cfg)
-    else:
-        cfg = for_mode(args.mode, args.learners, **sync_overrides(args))
+    cfg = resolved_sync_config(args)
     opts = ServerOptions(listen=args.listen, http=args.http, out=args.state, token=args.token,
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout, recover=args.state_recover,
+                         accept_rollback=args.accept_rollback, state_key=args.state_key,
                          insecure=args.insecure, status_token=args.status_token,
-                         allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model)
+                         allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
+                         exit_when_done=True,
+                         credentials=args.credentials, client_cert_ids=args.client_cert_ids)
+    if args.state is not None:
+        checks.writable_dir("--state", args.state)
     status = asyncio.run(serve(cfg, opts))
-    print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}")
+    model = status.get("final_model")
+    where = (f"the final model is {model}" if model else "no final model (start with --state DIR to keep one)"
+             if args.state is None else f"no final model in {args.state} (no learner joined, or see the log)")
+    print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}; "
+          f"{where}")
     return 0
 
 
@@ -260,6 +347,15 @@ def cmd_learner(args) -> int:
     from diloco.train.loop import WorkerOptions, run_learner
     from diloco.wire.tls import plaintext_token_problem
 
+    from diloco import procs
+
+    procs.die_with_parent_now()  # a torchrun rank of a `diloco run` learner ends with its launcher
+    for flag, path in (("--metrics", args.metrics), ("--summary", args.summary),
+                       ("--optimizer-state", args.optimizer_state)):
+        if path is not None:
+            checks.writable_file(flag, path)
+    if args.tensorboard is not None:
+        checks.writable_dir("--tensorboard", args.tensorboard)
     tls = bool(args.tls or args.tls_ca or args.tls_cert or args.tls_key)
     for target in args.syncer:
         problem = plaintext_token_problem(target, args.token, tls)
@@ -273,7 +369,8 @@ def cmd_learner(args) -> int:
     group = island_group(device)
     leader = group is None or int(os.environ.get("RANK", "0")) == 0
     opts = WorkerOptions(args.id, args.shard, args.num_shards, args.speed, args.pace, args.max_steps, args.metrics,
-                         tensorboard=args.tensorboard / args.id if args.tensorboard else None, stop=leave_on_signal())
+                         tensorboard=args.tensorboard / args.id if args.tensorboard else None, stop=leave_on_signal(),
+                         optimizer_checkpoint=args.optimizer_state)
     options = dict(token=args.token or "", connect_timeout=args.connect_timeout, stall_timeout=args.stall_timeout,
                    tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     transport = None
@@ -299,15 +396,24 @@ def cmd_learner(args) -> int:
     return 0
 
 
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("configuration file (docs/config.md, examples/config/)")
+    c.add_argument("--config", type=Path, metavar="FILE.toml",
+                   help="read settings from this TOML file; flags given on the command line override it")
+    c.add_argument("--print-config", action="store_true",
+                   help="print the effective settings as a TOML file that --config takes, and exit")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="diloco",
         description="Decoupled DiLoCo: train one model on several independent, unreliable learners.",
     )
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # subcommands' parsers are Parsers too
     sub.required = True
+    parser.commands = sub.choices
 
     from diloco.run import cli as run_cli
 
@@ -317,73 +423,109 @@ def build_parser() -> argparse.ArgumentParser:
     compare.register(sub)
 
     p = sub.add_parser("syncer", help="run the central syncer alone", description="Serve the global model to learners.")
-    p.add_argument("--listen", type=address, default="127.0.0.1:50051", help="gRPC HOST:PORT (127.0.0.1:50051)")
-    p.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of /status and /metrics")
-    p.add_argument("--learners", type=int, default=1, help="learners expected (sets K for streaming/diloco)")
-    p.add_argument("--state", type=Path, help="directory for snapshots, the final model and syncer.json")
-    p.add_argument("--token", help="shared secret learners must present (required beyond loopback)")
-    p.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total")
-    p.add_argument("--duration", type=float, help="stop the run this many seconds after the first join")
-    p.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between model snapshots in --state")
-    p.add_argument("--snapshot-tokens", type=int, default=0, help="trained tokens between model snapshots in --state")
-    p.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
+    n = p.add_argument_group("network and security")
+    n.add_argument("--listen", type=address, default="127.0.0.1:50051", help="gRPC HOST:PORT (127.0.0.1:50051)")
+    n.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of the dashboard, /status and /metrics")
+    n.add_argument("--token", help="secret shared by trusted learners (beyond loopback: this or --credentials)")
+    n.add_argument("--credentials", type=Path, metavar="FILE",
+                   help="per-learner credentials (TOML, `diloco credentials new ID --file FILE`): each listed id "
+                        "joins only with its own token, and reclaims its id with it after a restart")
+    n.add_argument("--client-cert-ids", action="store_true",
+                   help="with --tls-client-ca: a learner's client certificate names its id (common name) and is its "
+                        "credential; it joins under that id only")
+    n.add_argument("--status-token", help="read-only secret for /status and /metrics beyond loopback "
+                                          "(`Authorization: Bearer ...`); loopback clients need none")
+    n.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    n.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    n.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
+    n.add_argument("--insecure", action="store_true",
+                   help="allow --token (and /status's) to travel in plaintext beyond loopback, without TLS (warns)")
+    n.add_argument("--allow-takeover", action="store_true",
+                   help="let a Join under a live learner's id supersede it without that learner's session secret "
+                        "(by default only the learner itself, or one whose stream ended, can take its id)")
+    n.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
                    help="seconds the learner uploading the initial model may send nothing before another takes over (60)")
-    p.add_argument("--state-recover", action="store_true",
+    b = p.add_argument_group("budget (none: run until stopped)")
+    b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
+    b.add_argument("--duration", type=float,
+                   help="stop the run this many seconds after the first join; the syncer exits once every learner "
+                        "has left")
+    o = p.add_argument_group("output and state")
+    o.add_argument("--state", type=Path, help="directory for snapshots, the final model and syncer.json")
+    o.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between model snapshots in --state")
+    o.add_argument("--snapshot-tokens", type=int, default=0, help="trained tokens between model snapshots in --state")
+    o.add_argument("--state-recover", action="store_true",
                    help="if the newest state in --state is damaged, resume from the previous consistent one")
-    p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
-    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
-    p.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/N",
-                   help="run as shard I of N syncers, serving the fragments p with p mod N = I (learners take every "
-                        "shard's address: --syncer A,B,...); each shard needs its own --state directory")
-    p.add_argument("--initial-model", type=Path, metavar="FILE.safetensors",
+    o.add_argument("--accept-rollback", action="store_true",
+                   help="resume from --state even if it is older than the newest state this syncer wrote (a backup)")
+    o.add_argument("--state-key", type=Path, metavar="FILE",
+                   help="the key that signs the state's manifests, one per state folder (default: --state/state.key, "
+                        "made on the first start)")
+    o.add_argument("--initial-model", type=Path, metavar="FILE.safetensors",
                    help="start from this checkpoint (e.g. the learners' pretrained weights, or a model.safetensors "
                         "this syncer wrote): no learner uploads the model, and learners holding the same values "
                         "download none of it")
-    p.add_argument("--allow-takeover", action="store_true",
-                   help="let a Join under a live learner's id supersede it without that learner's session secret "
-                        "(by default only the learner itself, or one whose stream ended, can take its id)")
-    p.add_argument("--status-token", help="read-only secret for /status and /metrics beyond loopback "
-                                          "(`Authorization: Bearer ...`); loopback clients need none")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow --token (and /status's) to travel in plaintext beyond loopback, without TLS (warns)")
+    r = p.add_argument_group("learners and shards")
+    r.add_argument("--learners", type=int, default=1, help="learners expected (sets K for streaming/diloco)")
+    r.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/N",
+                   help="run as shard I of N syncers, serving the fragments p with p mod N = I (learners take every "
+                        "shard's address: --syncer A,B,...); each shard needs its own --state directory")
     p.add_argument("--sync-config", type=Path, help=argparse.SUPPRESS)  # resolved settings from `diloco run`
     add_sync_options(p, modes=("decoupled", "streaming", "diloco"))
+    add_config_options(p)
     p.set_defaults(func=cmd_syncer)
 
     p = sub.add_parser("learner", help="run one learner of the built-in trainer",
                        description="Train as one learner. Under torchrun (`torchrun --nproc-per-node N -m diloco learner "
                                    "...`) the N ranks form one learner: DDP inside it, rank 0 talks to the syncer.")
-    p.add_argument("--syncer", type=addresses, required=True,
-                   help="HOST:PORT of the syncer; of a sharded syncer, every shard's in shard order: A,B,...")
-    p.add_argument("--id", required=True, help="stable learner name; re-joining under it resumes its data")
-    p.add_argument("--token", help="the syncer's shared secret")
-    p.add_argument("--shard", type=int, default=0, help="which data shard to read (0)")
-    p.add_argument("--num-shards", type=int, default=1, help="how many shards the data is cut into (1)")
-    p.add_argument("--speed", type=float, default=1.0, help="emulated speed factor; 0.25 = four times slower")
-    p.add_argument("--pace", type=positive_seconds, metavar="SECONDS",
-                   help="pad every step to SECONDS / --speed, so this learner's capacity is fixed (goodput)")
-    p.add_argument("--max-steps", type=int, help="stop after this many steps")
-    p.add_argument("--metrics", type=Path, help="append per-step JSON lines to this file")
-    p.add_argument("--summary", type=Path, help="write this learner's summary JSON here at the end")
-    p.add_argument("--tensorboard", type=Path, metavar="DIR",
-                   help="also write this learner's curves as TensorBoard event files into DIR/<id>")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several learners share a machine)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the model trains: auto (CUDA when visible, else CPU), cpu or cuda; under torchrun each "
-                        "rank takes the GPU of its LOCAL_RANK")
-    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep retrying an unreachable syncer")
-    p.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
+    n = p.add_argument_group("network and security")
+    n.add_argument("--syncer", type=addresses,
+                   help="HOST:PORT of the syncer; of a sharded syncer, every shard's in shard order: A,B,... (required)")
+    n.add_argument("--id", help="stable learner name; re-joining under it resumes its data (required)")
+    n.add_argument("--token", help="the syncer's shared secret")
+    n.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    n.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this PEM CA certificate")
+    n.add_argument("--tls-cert", type=Path, help="client certificate for a syncer that requires one (with --tls-key)")
+    n.add_argument("--tls-key", type=Path, help="PEM private key of the client --tls-cert")
+    n.add_argument("--insecure", action="store_true",
+                   help="allow --token to travel in plaintext to a syncer beyond loopback, without TLS (warns)")
+    n.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep retrying an unreachable syncer")
+    n.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
                    help="abort a transfer (join, initial upload, push) when no bytes moved for this long (60); "
                         "transfers have no fixed deadline, so big models on slow links get through")
-    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
-    p.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this PEM CA certificate")
-    p.add_argument("--tls-cert", type=Path, help="client certificate for a syncer that requires one (with --tls-key)")
-    p.add_argument("--tls-key", type=Path, help="PEM private key of the client --tls-cert")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow --token to travel in plaintext to a syncer beyond loopback, without TLS (warns)")
+    b = p.add_argument_group("budget (default: until the syncer says the run is over)")
+    b.add_argument("--max-steps", type=int, help="stop after this many steps")
+    d = p.add_argument_group("data shard, speed and device")
+    d.add_argument("--shard", type=int, default=0, help="which data shard to read (0)")
+    d.add_argument("--num-shards", type=int, default=1, help="how many shards the data is cut into (1)")
+    d.add_argument("--speed", type=float, default=1.0, help="emulated speed factor; 0.25 = four times slower")
+    d.add_argument("--pace", type=positive_seconds, metavar="SECONDS",
+                   help="pad every step to SECONDS / --speed, so this learner's capacity is fixed (goodput)")
+    d.add_argument("--threads", type=int, default=1, help="torch threads (1 when several learners share a machine)")
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model trains: auto (CUDA when visible, else CPU), cpu or cuda; under torchrun each "
+                        "rank takes the GPU of its LOCAL_RANK")
+    o = p.add_argument_group("output")
+    o.add_argument("--metrics", type=Path, help="append per-step JSON lines to this file")
+    o.add_argument("--summary", type=Path, help="write this learner's summary JSON here at the end")
+    o.add_argument("--optimizer-state", type=Path, metavar="FILE",
+                   help="keep the inner AdamW state here (every 30 s and at the end) and resume from it when this "
+                        "learner restarts under its id")
+    o.add_argument("--tensorboard", type=Path, metavar="DIR",
+                   help="also write this learner's curves as TensorBoard event files into DIR/<id>")
     add_train_options(p)
-    p.set_defaults(func=cmd_learner)
+    add_config_options(p)
+    p.set_defaults(func=cmd_learner, required_flags=("syncer", "id"))
+
+    p = sub.add_parser("credentials", help="make a learner's own token for a syncer's --credentials file",
+                       description="Add (or replace) a learner id's credential: a new token is printed once, and only "
+                                   "its SHA-256 is written to FILE (created readable by you alone). Give the token to "
+                                   "that learner (`diloco learner --id ID --token TOKEN`), start the syncer with "
+                                   "--credentials FILE.")
+    p.add_argument("action", choices=("new",), help="new: a token for ID")
+    p.add_argument("learner_id", metavar="ID", help="the learner id the token proves")
+    p.add_argument("--file", type=Path, required=True, help="the credentials file (TOML) the syncer reads")
+    p.set_defaults(func=cmd_credentials)
 
     p = sub.add_parser("inspect", help="summarise a syncer's event tape (tape.jsonl in its --state directory)",
                        description="Participation per round, measured H per fragment, staleness, round and quorum "
@@ -411,6 +553,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def with_config(parser: Parser, args: argparse.Namespace, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments with --config's settings under the command line's (the file's values become the defaults),
+    once every flag the command needs has a value."""
+    command = parser.commands[args.command]
+    defaults = {a.dest: a.default for a in command._actions}  # before a file's values replace them
+    if getattr(args, "config", None):
+        from diloco import config_file
+
+        settings = config_file.load(args.config, args.command, command)
+        command.set_defaults(**settings.flags)
+        args = parser.parse_args(argv)
+        args.sync_fields, args.train_fields = settings.sync, settings.train
+    missing = [f"--{name.replace('_', '-')}" for name in getattr(args, "required_flags", ())
+               if getattr(args, name, None) is None]
+    if missing:
+        raise UserError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (on the command "
+                        f"line, or in a --config file)")
+    args.parser_defaults = defaults
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -422,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     from diloco import exits
 
     try:
+        args = with_config(parser, args, argv)
+        if getattr(args, "print_config", False):
+            from diloco import config_file
+
+            print(config_file.dump(args.command, parser.commands[args.command], args, args.parser_defaults), end="")
+            return exits.record(0)
         return exits.record(int(args.func(args) or 0))
     except KeyboardInterrupt:
         print("diloco: interrupted", file=sys.stderr)

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from diloco import procs
+
 PY = [sys.executable, "-m", "diloco", "--log-level", "INFO"]
 
 
@@ -35,10 +37,13 @@ def free_port() -> int:
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`cmd` in a session of its own (so a signal reaches a torchrun launcher's ranks too), dying with this process
+    even when it is SIGKILLed (diloco.procs)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    env = procs.child_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})))
     with log.open("a") as f:  # a restarted process continues its log
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=procs.die_with_parent())
 
 
 def stop(proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
@@ -70,10 +75,12 @@ class LocalCluster:
     on the bridge's address; the syncers stay on loopback. `latency_ms` is added by those proxies, each way."""
 
     def __init__(self, out: Path, syncer_args: list[list[str]], learner_args: dict[str, list[str]],
-                 proxies: bool = False, ranks_per_learner: int = 1, links=None, latency_ms: float = 0.0):
+                 proxies: bool = False, ranks_per_learner: int = 1, links=None, latency_ms: float = 0.0,
+                 http: str | None = None):
         self.out = out
         self.grpc_ports = [free_port() for _ in syncer_args]
-        self.http_ports = [free_port() for _ in syncer_args]
+        port = int(http.rsplit(":", 1)[1]) if http else None  # on 127.0.0.1, where /status is read
+        self.http_ports = [port + i if port else free_port() for i in range(len(syncer_args))]
         self.grpc_port, self.http_port = self.grpc_ports[0], self.http_ports[0]
         self.syncer_cmds = [PY + ["syncer", "--listen", f"127.0.0.1:{g}", "--http", f"127.0.0.1:{h}", *args]
                             for g, h, args in zip(self.grpc_ports, self.http_ports, syncer_args)]

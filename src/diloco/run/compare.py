@@ -7,42 +7,74 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from diloco.config import MODES
-from diloco.run.pacing import auto_pace, parse_pace
+from diloco import checks, procs
+
 
 
 def register(sub) -> None:
+    from diloco.cli import add_config_options
+    from diloco.run.cli import add_network_options
+
     p = sub.add_parser("compare", help="run several modes under one budget and fault scenario, side by side",
                        description="Each mode is one `diloco run` with the same model, data, seed, budget and faults; "
                                    "the table compares goodput, uptime, final held-out loss and wire bytes.")
     p.add_argument("--modes", default="decoupled,diloco,dp", help="comma-separated; the first is the reference")
-    p.add_argument("--learners", "-M", type=int, default=4)
-    p.add_argument("--duration", type=float, help="seconds of training per mode")
-    p.add_argument("--tokens", type=int, help="tokens per mode (not with --chaos)")
-    p.add_argument("--chaos", metavar="SCENARIO", help="the same fault scenario for every mode (see `diloco run`)")
-    p.add_argument("--model", choices=("small", "tiny"), default="small")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pace", metavar="SECONDS|auto|off",
+    p.add_argument("--learners", "-M", type=int, default=4, help="learners (dp: workers) of every mode (4)")
+    b = p.add_argument_group("budget, the same for every mode (default: --duration 120)")
+    b.add_argument("--duration", type=float, help="seconds of training per mode (tokens then differ: each mode trains "
+                                                  "as fast as it can)")
+    b.add_argument("--tokens", type=int, help="tokens per mode, rounded up to whole steps of every learner so that "
+                                              "every mode trains exactly as many (not with --chaos)")
+    b.add_argument("--pace", metavar="SECONDS|auto|off",
                    help="pace every mode's steps alike (see `diloco run --pace`; default: auto with --chaos, measured "
                         "once for all modes)")
-    p.add_argument("--out", type=Path, help="folder for one run directory per mode (default runs/compare-<time>)")
-    from diloco.run.cli import add_network_options
-
+    m = p.add_argument_group("model and data")
+    m.add_argument("--model", choices=("small", "tiny"), default="small", help="built-in model size (small)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the model initialisation and data order (0)")
+    c = p.add_argument_group("faults")
+    c.add_argument("--chaos", metavar="SCENARIO", help="the same fault scenario for every mode (see `diloco run`)")
     add_network_options(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, help="folder for one run directory per mode (default runs/compare-<time>)")
+    add_config_options(p)
     p.set_defaults(func=cmd_compare)
 
 
+def same_budget(args, tokens_per_step: int) -> tuple[list[str], str]:
+    """The budget flags every mode's `diloco run` gets, and the line that says what they mean. A token budget
+    becomes whole steps per learner: a syncer's token budget reaches learners through heartbeats, so decoupled
+    learners would train a few steps past it, while dp's workers stop at an exact step count."""
+    if args.duration:
+        return ["--duration", str(args.duration)], (f"same budget: {args.duration:g} s of training per mode (tokens "
+                                                    f"differ: each mode trains as fast as it can)")
+    per_round = args.learners * tokens_per_step
+    steps = -(-args.tokens // per_round)
+    exact = "" if steps * per_round == args.tokens else f" (--tokens {args.tokens:,} rounded up to whole steps)"
+    return ["--steps", str(steps)], (f"same budget: {steps} steps × {args.learners} learners × {tokens_per_step:,} "
+                                     f"tokens = {steps * per_round:,} tokens per mode{exact}")
+
+
 def cmd_compare(args) -> int:
+    from diloco.config import MODES
+    from diloco.run.pacing import auto_pace, parse_pace
+
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
+    if args.duration is not None and args.tokens is not None:
+        raise ValueError("give one budget: --duration or --tokens")
+    if args.tokens is not None and args.chaos:
+        raise ValueError("--tokens with --chaos: killed learners restart their step counts, so only a --duration "
+                         "budget is the same for every mode")
+    for flag in ("duration", "tokens", "learners"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.duration is None and args.tokens is None:
         args.duration = 120.0
     link, latency = [], []
@@ -57,19 +89,18 @@ def cmd_compare(args) -> int:
             raise ValueError(f"--link-latency-ms must be a number of milliseconds ≥ 0, got {args.link_latency_ms}")
         latency = ["--link-latency-ms", str(args.link_latency_ms)]
     out = args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    budget = ["--duration", str(args.duration)] if args.duration else ["--tokens", str(args.tokens)]
+    checks.writable_dir("--out", out)
+    from diloco.cli import train_config
+
+    train = train_config(argparse.Namespace(seed=args.seed, model=args.model))
+    budget, budget_line = same_budget(args, train.tokens_per_step())
     pace = parse_pace(args.pace)
     if pace == "auto" or (pace is None and args.chaos):  # one pace for every mode: the same capacities
-        from diloco.cli import train_config
-        from diloco.run.local import TINY
-
-        train = train_config(argparse.Namespace(seed=args.seed))
-        if args.model == "tiny":
-            train = replace(train, model=TINY)
         pace = auto_pace(train, args.learners + 1)
     if pace is not None:
         budget += ["--pace", str(pace)]
     reports, console = {}, Console(stderr=True)
+    console.print(budget_line)
     for mode in modes:
         cmd = [sys.executable, "-m", "diloco", "run", "--mode", mode, "--learners", str(args.learners), *budget,
                "--model", args.model, "--seed", str(args.seed), "--json", "--out", str(out / mode)]
@@ -77,19 +108,21 @@ def cmd_compare(args) -> int:
             cmd += ["--chaos", args.chaos]
         cmd += link if mode == "dp" else link + latency
         console.print(f"[bold]{mode}[/bold]: {' '.join(cmd[3:])}")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=procs.child_env(),
+                              preexec_fn=procs.die_with_parent())  # ends with this process, even on SIGKILL
         if proc.returncode != 0:
             console.print(proc.stderr[-2000:])
             raise ValueError(f"the {mode} run failed (exit {proc.returncode}); its logs are in {out / mode / 'logs'}")
         reports[mode] = json.loads(proc.stdout)
     print_table(reports, args.chaos)
+    console.print(budget_line)
     if latency and "dp" in modes:
         console.print("dp ran without --link-latency-ms: no proxy can carry its gloo traffic (bandwidth shaping only)")
     summary = {m: {k: r.get(k) for k in ("goodput", "uptime", "final_eval_loss", "initial_eval_loss", "wire_bytes",
                                           "tokens_trained", "tokens_merged", "wall_seconds", "chaos", "link",
                                           "link_bytes_total")}
                for m, r in reports.items()}
-    (out / "compare.json").write_text(json.dumps(summary, indent=2))
+    (out / "compare.json").write_text(json.dumps({"budget": budget_line, "modes": summary}, indent=2))
     console.print(f"run directories, timelines and compare.json in {out}")
     return 0
 

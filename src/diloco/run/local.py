@@ -8,13 +8,15 @@ import logging
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 
+from diloco import checks
 from diloco.chaos.injector import Injector
+from diloco.cli import model_config
 from diloco.config import for_mode
 from diloco.run.cluster import ClusterError, LocalCluster, with_signal
 from diloco.run.cli import parse_speeds
@@ -23,7 +25,7 @@ from diloco.run.display import progress_table
 from diloco.run.live_eval import LiveEval
 from diloco.run.report import build_report, print_summary
 from diloco.syncer import annotations
-from diloco.train.config import ModelConfig, TrainConfig
+from diloco.train.config import TrainConfig
 from diloco.train.loop import train_config_to_json
 
 log = logging.getLogger("diloco.run")
@@ -32,7 +34,9 @@ DEFAULT_DURATION = 120.0
 
 class RunFailed(RuntimeError):
     """A process of the run failed; the message names its log."""
-TINY = ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2)
+
+
+TINY = model_config("tiny")
 
 
 @dataclass
@@ -66,6 +70,8 @@ class Plan:
     """Global-model snapshots over the budget, for the eval-loss curve (`--snapshots`; dp: every steps/N steps)."""
     initial_model: Path | None = None
     """The syncer's --initial-model: the built-in model as learners build it, written into the run (None: uploaded)."""
+    http: str | None = None
+    """HOST:PORT of the (first) syncer's dashboard, /status and /metrics (`--http`); None: a free port."""
 
 
 def make_plan(args) -> Plan:
@@ -97,9 +103,9 @@ def make_plan(args) -> Plan:
     if getattr(args, "initial_model", "upload") == "file" and args.mode == "dp":
         raise ValueError("--initial-model file applies to runs with a syncer; --mode dp's workers each build the model")
     link, latency = network(args)
+    http = dashboard_address(args, shards)
     train = train_config(args)
-    if args.model == "tiny":
-        train = replace(train, model=TINY)
+    checks.corpus(train, args.learners)  # refused here, not by each of the processes it would have started
     if args.mode != "dp":
         sync = for_mode(args.mode, args.learners, **sync_overrides(args))
         from diloco.fragments import plan_fragments, tensor_specs
@@ -107,9 +113,11 @@ def make_plan(args) -> Plan:
 
         plan_fragments(tensor_specs(build_model(train.model, train.seed)), sync.fragments)  # refuse a bad P now
     out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}"
-    if out.exists() and any(out.iterdir()):
+    if out.is_dir() and any(out.iterdir()):
         raise ValueError(f"run directory {out} exists and is not empty; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "tensorboard", None):
+        checks.writable_dir("--tensorboard", args.tensorboard)
+    checks.writable_dir("--out", out)
     (out / "train_config.json").write_text(train_config_to_json(train))
     initial_model = None
     if args.mode != "dp":
@@ -134,7 +142,32 @@ def make_plan(args) -> Plan:
     pace = None if pace == "off" else pace
     return Plan(args.mode, args.learners, speeds, out, train, args.steps, args.tokens, duration, ranks, args.chaos,
                 faults, tensorboard=getattr(args, "tensorboard", None), syncer_shards=shards, pace=pace, link=link,
-                link_latency_ms=latency, snapshots=max(1, getattr(args, "snapshots", 8)), initial_model=initial_model)
+                link_latency_ms=latency, snapshots=max(1, getattr(args, "snapshots", 8)), initial_model=initial_model,
+                http=http)
+
+
+def dashboard_address(args, shards: int) -> str | None:
+    """`--http HOST:PORT` checked before anything starts: on 127.0.0.1 (the run's syncer has no token to guard
+    more, and the run reads /status there) and free, for every shard (PORT + i)."""
+    text = getattr(args, "http", None)
+    if text is None:
+        return None
+    import socket
+
+    host, port = text.rsplit(":", 1)
+    if host not in ("127.0.0.1", "localhost"):
+        raise checks.InputError(f"--http {text}: diloco run serves its dashboard on 127.0.0.1 only (its syncer has "
+                                f"no token); open it from elsewhere through a tunnel (ssh -L), or run `diloco syncer "
+                                f"--http HOST:PORT --status-token ...`")
+    if args.mode == "dp":
+        raise checks.InputError("--http applies to runs with a syncer; --mode dp has none")
+    for i in range(shards):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", int(port) + i))
+            except OSError as e:
+                raise checks.InputError(f"--http 127.0.0.1:{int(port) + i}: cannot listen there: {e.strerror}") from None
+    return f"127.0.0.1:{port}"
 
 
 def save_built_in_model(train: TrainConfig, path: Path) -> None:
@@ -316,7 +349,8 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
         learner_args[lid] = ["--shard", str(i), "--num-shards", str(plan.learners), "--speed", str(speed),
                              "--train-config", str(plan.out / "train_config.json"),
                              "--metrics", str(plan.out / "metrics" / f"{lid}.jsonl"),
-                             "--summary", str(plan.out / "learners" / f"{lid}.json"), "--connect-timeout", "120"]
+                             "--summary", str(plan.out / "learners" / f"{lid}.json"), "--connect-timeout", "120",
+                             "--optimizer-state", str(plan.out / "learners" / f"{lid}.optimizer.pt")]
         if plan.steps:
             learner_args[lid] += ["--max-steps", str(plan.steps)]
         if plan.pace:
@@ -329,7 +363,8 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
     per_shard = [["--state", str(d), *syncer_args, *([] if n == 1 else ["--shard", f"{i}/{n}"])]
                  for i, d in enumerate(shard_dirs)]
     cluster = LocalCluster(plan.out, per_shard, learner_args, proxies=any(f.kind == "partition" for f in faults),
-                           ranks_per_learner=plan.ranks_per_learner, links=links, latency_ms=plan.link_latency_ms)
+                           ranks_per_learner=plan.ranks_per_learner, links=links, latency_ms=plan.link_latency_ms,
+                           http=getattr(plan, "http", None))
     tape = None
     if faults:  # the faults on a tape beside the syncer's: `diloco inspect syncer/tape.jsonl faults.jsonl`
         from diloco.syncer.tape import Tape

@@ -1,0 +1,117 @@
+"""Processes never outlive their run: `diloco run` killed with SIGKILL takes its syncer and learners (torchrun's
+ranks included) with it, and `diloco syncer --duration N` ends by itself."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from liveness import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state) of a process, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0]
+
+
+def alive(pid: int) -> bool:
+    s = stat(pid)
+    return s is not None and s[1] != "Z"  # a zombie has died; only its exit status waits to be collected
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (s := stat(int(entry.name))) is not None:
+            children.setdefault(s[0], []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def kill_all(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("learners, ranks", [(2, 1), (1, 2)])
+def test_run_killed_with_sigkill_takes_every_child_with_it(tmp_path, learners, ranks):
+    http, out = free_port(), tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", str(learners),
+                            "--ranks-per-learner", str(ranks), "--duration", "600", "--no-progress",
+                            "--http", f"127.0.0.1:{http}", "--out", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    children: set[int] = set()
+    try:
+        ready = out / "syncer" / "ready.json"
+        # every learner process, and under torchrun every rank, has started: launcher + ranks per learner
+        expected = 1 + learners * (ranks + 1 if ranks > 1 else 1)
+        wait_for(lambda: ready.exists() and listening(http) and len(descendants(run.pid)) >= expected, timeout=180)
+        grpc = json.loads(ready.read_text())["grpc_port"]
+        children = descendants(run.pid)
+        assert listening(grpc)
+        run.send_signal(signal.SIGKILL)
+        run.wait(30)
+        wait_for(lambda: not any(alive(pid) for pid in children), timeout=60)
+        wait_for(lambda: not listening(http) and not listening(grpc), timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)
+        kill_all(children)
+
+
+def test_syncer_with_a_duration_exits_by_itself(tmp_path):
+    state = tmp_path / "state"
+    syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--listen", "127.0.0.1:0", "--http",
+                               "127.0.0.1:0", "--state", str(state), "--duration", "3", "--fragments", "2",
+                               "--sync-every", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=ENV)
+    learner = None
+    try:
+        wait_for(lambda: (state / "ready.json").exists() or syncer.poll() is not None, timeout=120)
+        assert syncer.poll() is None
+        port = json.loads((state / "ready.json").read_text())["grpc_port"]
+        learner = subprocess.Popen([sys.executable, "-m", "diloco", "learner", "--syncer", f"127.0.0.1:{port}",
+                                    "--id", "a", "--model", "tiny", "--batch-size", "4"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        output, _ = syncer.communicate(timeout=180)  # nobody stops it: the budget does
+        assert syncer.returncode == 0, output[-3000:]
+        assert f"the final model is {state / 'model.safetensors'}" in output.splitlines()[-1]
+        assert (state / "model.safetensors").exists()
+        assert learner.wait(60) == 0
+    finally:
+        for proc in (learner, syncer):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
