@@ -2,7 +2,7 @@
 syncer process, one is SIGKILLed and resumed from its Trainer checkpoint and rejoins under its id; the global model
 learns and loads strictly; through the callback a Trainer pushes exactly what the Learner API pushes; tokens are
 counted without padding across gradient accumulation; the budget stops the Trainer and can drive its learning
-rate; wrong settings fail at train begin with one line."""
+rate; wrong settings fail at train begin with one line; a torchrun Trainer of two ranks is one learner."""
 
 import json
 import os
@@ -101,6 +101,34 @@ def test_two_trainers_learn_one_model_and_a_killed_trainer_rejoins_from_its_chec
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # the head stays tied
     loss = heldout_loss(model)
     assert loss < initial - 1.0, (initial, loss)  # ln(256) = 5.5 falls below 3.5 in these steps
+
+
+def test_a_torchrun_trainer_of_two_ranks_is_one_learner(tmp_path):
+    with SyncerProcess(tmp_path / "syncer", "--fragments", "4", "--sync-every", "8") as syncer:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = tmp_path / "island.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), str(WORKER), "--syncer", syncer.address, "--id", "island", "--out",
+               str(tmp_path / "island"), "--summary", str(tmp_path / "island.json"), "--steps", "24"]
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            finished(proc, log)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        final = syncer.stop()
+    ranks = [json.loads((tmp_path / f"island.json.{rank}").read_text()) for rank in (0, 1)]
+    assert ranks[0]["ranks"] == 2 and ranks[0]["digest"] == ranks[1]["digest"]  # DDP ranks stay bit-identical
+    assert ranks[0]["pushes"] >= 2 and ranks[1]["pushes"] == 0  # rank 0 alone talks to the syncer
+    learners = {x["id"]: x for x in final["learners"]}
+    assert list(learners) == ["island"]  # one learner, whose tokens are both ranks'
+    assert learners["island"]["tokens"] == ranks[0]["tokens"] == 24 * 2 * 8 * 32
+    assert learners["island"]["merged"] >= 2 and learners["island"]["state"] == "left"
 
 
 def trainer(model, rows, callback, out: pathlib.Path, steps: int, eval_rows=None, **options) -> Trainer:

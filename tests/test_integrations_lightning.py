@@ -1,7 +1,7 @@
 """Lightning Trainers as learners through DiLoCoCallback: a Lightning learner is SIGKILLed and resumed from its
 Lightning checkpoint, rejoins under its id and trains beside a second one against a real syncer process; the global
 model learns and loads strictly; through the callback a Trainer with gradient accumulation pushes exactly what the
-Learner API pushes; the budget stops the Trainer and sets its learning rate."""
+Learner API pushes; the budget stops the Trainer and sets its learning rate; a DDP Trainer is one learner."""
 
 import json
 import os
@@ -86,6 +86,26 @@ def test_a_killed_lightning_learner_rejoins_from_its_checkpoint_beside_another(t
     model = final_model(tmp_path / "syncer", build=lambda seed: lightning_module(tiny_gpt2(seed)))
     loss = heldout_loss(model.model)
     assert loss < initial - 1.0, (initial, loss)
+
+
+def test_a_ddp_trainer_of_two_ranks_is_one_learner(tmp_path):
+    with SyncerProcess(tmp_path / "syncer", "--fragments", "4", "--sync-every", "8") as syncer:
+        proc = worker(syncer, "island", tmp_path, "--steps", "24", "--devices", "2")  # strategy="ddp", 2 CPU ranks
+        try:
+            proc.wait(300)
+            assert proc.returncode == 0, (tmp_path / "island.log").read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        final = syncer.stop()
+    ranks = [json.loads((tmp_path / f"island.json.{rank}").read_text()) for rank in (0, 1)]
+    assert ranks[0]["ranks"] == 2 and ranks[0]["digest"] == ranks[1]["digest"]  # DDP ranks stay bit-identical
+    assert ranks[0]["pushes"] >= 2 and ranks[1]["pushes"] == 0  # rank 0 alone talks to the syncer
+    learners = {x["id"]: x for x in final["learners"]}
+    assert list(learners) == ["island"]  # one learner, whose tokens are both ranks'
+    assert learners["island"]["tokens"] == ranks[0]["tokens"] == 24 * 2 * 8 * 32
+    assert learners["island"]["merged"] >= 2 and learners["island"]["state"] == "left"
 
 
 def streaming_syncer(out: pathlib.Path, **options) -> SyncerThread:

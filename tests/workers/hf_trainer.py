@@ -1,10 +1,12 @@
 """One learner as a Hugging Face Trainer with DiLoCoCallback (a separate process, so a test can SIGKILL it):
 trains the tiny GPT-2 on its shard, saves checkpoints every --save-steps, resumes from the one --resume names,
-and writes what its learner did to --summary. With --start-when it waits, imports done, until that file
-exists."""
+and writes what its learner did to --summary (under torchrun, one learner of several ranks: --summary.RANK).
+With --start-when it waits, imports done, until that file exists."""
 
 import argparse
+import hashlib
 import json
+import os
 import pathlib
 import sys
 import time
@@ -47,7 +49,11 @@ def main() -> None:
                       callbacks=[callback])
     trainer.train(resume_from_checkpoint=a.resume)
     learner = callback.learner
-    pathlib.Path(a.summary).write_text(json.dumps({
+    rank, ranks = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    summary = pathlib.Path(a.summary if ranks == 1 else f"{a.summary}.{rank}")  # under torchrun: one per rank
+    digest = hashlib.sha256(b"".join(t.detach().contiguous().numpy().tobytes()
+                                     for t in trainer.model.state_dict().values())).hexdigest()
+    summary.write_text(json.dumps({"digest": digest, "ranks": ranks,
         "steps": learner.step_count, "pushes": learner.pushes, "applied": learner.applied, "tokens": learner.tokens,
         "ledger_position": callback.driver.ledger_position,
         "resumed": callback.driver.resumed.to_json() if callback.driver.resumed else None,

@@ -4,6 +4,7 @@ writes what its learner did to --summary. With --start-when it waits, imports do
 file gives the steps to train in all and the checkpoint to resume from."""
 
 import argparse
+import hashlib
 import json
 import pathlib
 import sys
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--resume", help="the checkpoint file to resume from")
     p.add_argument("--summary", required=True)
     p.add_argument("--start-when")
+    p.add_argument("--devices", type=int, default=1, help="ranks of a DDP strategy (one learner, an island)")
     a = p.parse_args()
     torch.set_num_threads(1)
     data = loader(examples(a.shard, a.num_shards, 256), batch_size=8)
@@ -40,10 +42,14 @@ def main() -> None:
         a.steps, a.resume = int(steps), checkpoint
     callback = DiLoCoCallback(a.syncer, a.id, connect_timeout=60)
     saves = ModelCheckpoint(dirpath=a.out, filename="{step}", every_n_train_steps=a.save_steps, save_top_k=-1)
-    trainer = lightning_trainer(pathlib.Path(a.out), a.steps, [callback, saves], enable_checkpointing=True)
+    ddp = dict(devices=a.devices, strategy="ddp") if a.devices > 1 else {}
+    trainer = lightning_trainer(pathlib.Path(a.out), a.steps, [callback, saves], enable_checkpointing=True, **ddp)
     trainer.fit(lightning_module(), data, ckpt_path=a.resume)
     learner = callback.learner
-    pathlib.Path(a.summary).write_text(json.dumps({
+    summary = pathlib.Path(a.summary if a.devices == 1 else f"{a.summary}.{trainer.global_rank}")
+    digest = hashlib.sha256(b"".join(t.detach().contiguous().numpy().tobytes()
+                                     for t in trainer.lightning_module.state_dict().values())).hexdigest()
+    summary.write_text(json.dumps({"digest": digest, "ranks": trainer.world_size,
         "steps": learner.step_count, "pushes": learner.pushes, "applied": learner.applied, "tokens": learner.tokens,
         "ledger_position": callback.driver.ledger_position,
         "resumed": callback.driver.resumed.to_json() if callback.driver.resumed else None,
