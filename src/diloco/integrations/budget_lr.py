@@ -62,6 +62,10 @@ def follow_budget(optimizer: torch.optim.Optimizer, scheduler, schedule: Schedul
 
 
 def _times(fn, budget):
+    fn = getattr(fn, "scheduled_alone", fn)  # a scheduler reused by a second train(): its own factor, once
+
     def factor(step):
         return fn(step) * budget()
+
+    factor.scheduled_alone = fn
     return factor
