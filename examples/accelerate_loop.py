@@ -11,8 +11,9 @@ then one learner per data shard, each in its own terminal or on its own machine:
     python examples/accelerate_loop.py --syncer 127.0.0.1:50051 --id alice --shard 0 --num-shards 2
     python examples/accelerate_loop.py --syncer 127.0.0.1:50051 --id bob --shard 1 --num-shards 2
 
-`accelerate launch --num_processes 2 examples/accelerate_loop.py ...` (or torchrun) makes one learner of several
-ranks, an island: every rank creates the Learner with the job's process group and rank 0 talks to the syncer.
+`accelerate launch --num_processes 2 examples/accelerate_loop.py ...` (or `torchrun --nproc-per-node 2 ...`; on a
+machine without GPUs add --cpu) makes one learner of several ranks, an island: every rank creates the Learner with
+the job's process group and rank 0 talks to the syncer.
 Killed and started again under the same --id, a learner rejoins the run and resumes its data where the syncer's
 ledger says its merged work ended.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 from typing import NamedTuple
 
@@ -55,8 +57,13 @@ class Outcome(NamedTuple):
 
 
 def main(syncer: str, learner_id: str, *, steps: int = 200, shard: int = 0, num_shards: int = 1, batch_size: int = 8,
-         accumulation: int = 1, lr: float = 3e-3, token: str = "", model: nn.Module | None = None) -> Outcome:
-    accelerator = Accelerator(gradient_accumulation_steps=accumulation)
+         accumulation: int = 1, lr: float = 3e-3, token: str = "", cpu: bool = False,
+         model: nn.Module | None = None) -> Outcome:
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation, cpu=cpu)
+    launched = int(os.environ.get("WORLD_SIZE", 1))
+    if accelerator.num_processes != launched:  # each process would join alone, under one id
+        raise SystemExit(f"{launched} processes were launched but Accelerate sees {accelerator.num_processes}: "
+                         f"without GPUs pass --cpu")
     model = model if model is not None else build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -101,11 +108,12 @@ if __name__ == "__main__":
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--cpu", action="store_true", help="train on the CPU (needed for several processes without GPUs)")
     p.add_argument("--summary", help="write what the learner did here, as JSON")
     a = p.parse_args()
     torch.set_num_threads(1)
     done = main(a.syncer, a.id, steps=a.steps, shard=a.shard, num_shards=a.num_shards, batch_size=a.batch_size,
-                accumulation=a.accumulation, lr=a.lr, token=a.token)
+                accumulation=a.accumulation, lr=a.lr, token=a.token, cpu=a.cpu)
     learner = done.learner
     if learner.leader:
         print(f"{a.id}: {learner.step_count} steps from data position {done.start_position}, {learner.pushes} pushes, "

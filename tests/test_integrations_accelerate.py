@@ -1,12 +1,13 @@
 """An Accelerate loop as a learner (examples/accelerate_loop.py): two learners train one tiny GPT-2 against a real
 syncer process while one is SIGKILLed and started again, rejoining under its id where its merged data ended; the
-global model learns and loads strictly; with gradient accumulation the loop pushes exactly what a plain loop with
-the Learner API pushes."""
+global model learns and loads strictly; an Accelerate job of two processes is one learner; with gradient
+accumulation the loop pushes exactly what a plain loop with the Learner API pushes."""
 
 import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -78,6 +79,32 @@ def test_two_accelerate_learners_learn_and_a_killed_one_rejoins_where_its_data_e
 
     loss = heldout_loss(final_model(tmp_path / "syncer", build=example.build_model))
     assert loss < initial - 1.0, (initial, loss)
+
+
+def test_an_accelerate_job_of_two_processes_is_one_learner(tmp_path):
+    with SyncerProcess(tmp_path / "syncer", "--fragments", "4", "--sync-every", "8") as syncer:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), str(EXAMPLE), "--syncer", syncer.address, "--id", "island", "--cpu",
+               "--steps", "16", "--accumulation", "2", "--summary", str(tmp_path / "island.json")]
+        with (tmp_path / "island.log").open("w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            proc.wait(300)
+            assert proc.returncode == 0, (tmp_path / "island.log").read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        final = syncer.stop()
+    summary = json.loads((tmp_path / "island.json").read_text())
+    learners = {x["id"]: x for x in final["learners"]}
+    assert list(learners) == ["island"]  # one learner, whose tokens are both processes'
+    assert learners["island"]["tokens"] == summary["tokens"] == 16 * 2 * 2 * 8 * 32
+    assert summary["pushes"] >= 2 and learners["island"]["merged"] >= 2 and learners["island"]["state"] == "left"
 
 
 def test_an_accelerate_loop_pushes_exactly_what_a_plain_loop_pushes(example, tmp_path):
