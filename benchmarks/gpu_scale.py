@@ -45,9 +45,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # sibling scripts: corpus.py, learner_overhead.py
 sys.path.insert(0, str(HERE.parent / "src"))  # the package, where it is not installed (the GPU machine)
 
-from diloco.train.config import ModelConfig, TrainConfig, lr_at  # noqa: E402
-from diloco.train.data import ShardSampler, eval_batches  # noqa: E402
-from diloco.train.model import build_model, count_parameters  # noqa: E402
+try:  # importing the package imports its gRPC transport: grpcio, protobuf and zstandard must be there
+    from diloco.train.config import ModelConfig, TrainConfig, lr_at
+    from diloco.train.data import ShardSampler, eval_batches
+    from diloco.train.model import build_model, count_parameters
+except ImportError as e:
+    raise SystemExit(f"gpu_scale.py needs {e.name}: pip install it, or on a machine without network carry its wheel "
+                     "and put it on PYTHONPATH (docs/results.md, the prepared GPU command)") from None
 
 PUBLISHED_GAP = {2: {"35M": 0.023, "180M": 0.007}, 4: {"35M": 0.069, "180M": 0.031}}
 """Held-out loss gap to data-parallel in nats, fully tuned DiLoCo (arXiv 2503.09799, Table 4; PAPER_NUMBERS.md)."""
@@ -376,7 +380,7 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
     with SyncerProcess(learners=1) as syncer:
         learner = Learner(rep.model, GrpcTransport(syncer.address, **join_deadlines(GrpcTransport)), f"bench-{size}")
         try:
-            loop(3, None), loop(3, learner)  # warm-up: kernels, allocator, the first pushes
+            loop(min(3, steps), None), loop(min(3, steps), learner)  # warm-up: kernels, allocator, first pushes
             plain, with_learner = [], []
             for r in range(repeats):
                 if r and time.monotonic() > deadline:  # one pair always runs: the part reports a figure
@@ -580,13 +584,6 @@ def main(argv=None) -> int:
         print(f"[{time.monotonic() - started:6.1f} s] {msg}", flush=True)
 
     parts = args.parts.split(",")
-    if "overhead" in parts:  # before anything is spent: the gRPC transport must import here
-        try:
-            import learner_overhead  # noqa: F401
-            from diloco import GrpcTransport  # noqa: F401
-        except ImportError as e:
-            raise SystemExit(f"the overhead part needs {e.name} here: pip install it (on a machine without network: "
-                             "carry its wheel, see docs/results.md), or leave the part out with --parts") from None
     device = torch.device(args.device)
     torch.set_float32_matmul_precision("high")  # the fp32 learner's products in TF32, as fp32 training does on GPUs
     if device.type == "cpu":
