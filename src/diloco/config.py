@@ -135,10 +135,12 @@ class SyncConfig:
     fragment's own norm joins that reference while fewer than two others have any): a hostile push moves the model
     at most as far as this many honest ones, and colluding ids of one credential do not move the reference."""
     max_counter_ratio: float = 4.0
-    """Ours (0: off). Count a contribution's declared tokens, and tokens per step, as at most this multiple of
-    what other credentials' accepted contributions typically declare, in its weight, its round's share, its
-    learner's expected contribution and the token budget: its weight tokens²/steps is then at most the square of
-    this times theirs. Honest learners with batches more than this many times their peers' are bounded too."""
+    """Ours (0: off). Count a contribution's declared tokens per step as at most this multiple of what other
+    credentials' accepted contributions typically declare, and its tokens as at most this multiple of their H
+    steps' worth, in its weight, its round's share, its learner's expected contribution and the token budget: its
+    weight tokens²/steps is then at most the square of this times an honest full contribution's. A contribution
+    whose Δ is zero counts for no tokens and no weight. Honest learners with batches more than this many times
+    their peers' are bounded too."""
     max_round_ratio: float = 10.0
     """Ours (0: off). Drop a round whose merged Δ per step is over this multiple of the median of the fragment's
     recent rounds (from its 4th; a prior from the fragment's norm before), instead of publishing it: its

@@ -449,8 +449,9 @@ class SyncerCore:
             if free_ride:  # no progress at all, whatever it claims: it counts for no tokens and has no weight
                 counted, carried = (0.0, counted[1]), 0.0
             elif params:
-                counted = self.counters.plausible(credential, *counted, self.cfg.max_counter_ratio)
-                carried = self.counters.plausible(credential, tokens, steps, self.cfg.max_counter_ratio)[0]
+                ratio, H = self.cfg.max_counter_ratio, self.cfg.sync_every
+                counted = self.counters.plausible(credential, *counted, ratio, H)
+                carried = self.counters.plausible(credential, tokens, steps, ratio, H)[0]
         if bound is not None and per_step > bound:
             # the robust merge: merged at the typical size of other parties' steps, not refused
             factor = bound / per_step

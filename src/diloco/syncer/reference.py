@@ -48,26 +48,25 @@ class PerCredential:
 
 
 class Counters:
-    """Tokens and tokens per step of accepted parameter contributions, per credential: the reference a
-    contribution's declared counters are bounded by (`plausible`)."""
+    """Tokens per step of accepted parameter contributions, per credential: the reference a contribution's declared
+    counters are bounded by (`plausible`)."""
 
     def __init__(self):
-        self.tokens = PerCredential()
         self.per_step = PerCredential()
 
     def accept(self, credential: str, tokens: float, steps: float) -> None:
-        self.tokens.add(credential, tokens)
         self.per_step.add(credential, tokens / steps)
 
-    def plausible(self, credential: str, tokens: float, steps: float, ratio: float) -> tuple[float, float]:
-        """(tokens, steps) with tokens at most `ratio` × the others' typical tokens per contribution and tokens per
-        step at most `ratio` × theirs (steps follow), so the weight tokens²/steps is at most ratio² × theirs.
-        Unchanged when `ratio` is 0 or no other credential has a contribution accepted yet."""
+    def plausible(self, credential: str, tokens: float, steps: float, ratio: float, cycle: int) -> tuple[float, float]:
+        """(tokens, steps) with tokens per step at most `ratio` × the others' typical and tokens at most `ratio` ×
+        their typical cycle (`cycle` = H steps) of them; steps follow. With contributions counted up to H steps
+        (`counted_as`), the weight tokens²/steps is then at most ratio² × an honest full contribution's. Unchanged
+        when `ratio` is 0 or no other credential has a contribution accepted yet."""
         if not ratio:
             return tokens, steps
-        ref_tokens, ref_rate = self.tokens.reference(credential), self.per_step.reference(credential)
-        if ref_tokens is None or ref_rate is None:
+        reference = self.per_step.reference(credential)
+        if reference is None:
             return tokens, steps
-        rate = min(tokens / steps, ratio * ref_rate)
-        tokens = min(tokens, ratio * ref_tokens)
+        rate = min(tokens / steps, ratio * reference)
+        tokens = min(tokens, ratio * reference * cycle)
         return tokens, tokens / rate
