@@ -240,8 +240,8 @@ def test_islands_as_slurm_jobs_train_and_rejoin_after_a_crash_and_a_requeue(clus
 
     jobs = {"a": island("a", 0, nodes=2), "b": island("b", 1, nodes=1)}  # a: two ranks, one per node
     wait("both islands merged", lambda: all(learner(http_port, i).get("merged", 0) > 0 for i in jobs), 240, logs=logs)
-    first = {i: learner(http_port, i)["loss"] for i in jobs}
-    wait("the global loss falls", lambda: all(learner(http_port, i)["loss"] < first[i] - 0.5 for i in jobs), 240,
+    # a fresh byte-level model starts at ln(256) = 5.5; trained with the global model's merges it falls well below
+    wait("the loss falls below 4.5", lambda: all((learner(http_port, i)["loss"] or 9) < 4.5 for i in jobs), 240,
          logs=logs)
     tape = work / "syncer" / "tape.jsonl"
 
