@@ -94,6 +94,7 @@ class SyncerActor:
         self.host = ray.util.get_node_ip_address()
         argv = ["--log-level", "INFO", "syncer", "--listen", f"{listen_host}:{self.ports['grpc']}",
                 "--http", f"{listen_host}:{self.ports['http']}", "--state", str(self.state), *syncer_args]
+        (self.state / "ready.json").unlink(missing_ok=True)  # a restart's: ready means this process listens
         self.code: int | None = None
         self.thread = threading.Thread(target=self._serve, args=(argv,), name="diloco-syncer", daemon=True)
         self.thread.start()

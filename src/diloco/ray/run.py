@@ -66,7 +66,8 @@ class RayRun:
         return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout)))
 
     def stop(self) -> None:
-        """End the islands and the syncer (its state stays on its node's disk) and free their placement groups."""
+        """End the islands and the syncer at once (no last pushes; every merged round is already durable in the
+        syncer's state on its node's disk) and free their placement groups."""
         for island in self.islands.values():
             for rank in island.ranks:
                 ray.kill(rank, no_restart=True)
