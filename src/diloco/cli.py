@@ -276,7 +276,7 @@ def cmd_syncer(args) -> int:
                          accept_rollback=args.accept_rollback, state_key=args.state_key,
                          insecure=args.insecure, status_token=args.status_token,
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
-                         exit_when_done=True,
+                         exit_when_done=args.exit_when_done,
                          credentials=args.credentials, client_cert_ids=args.client_cert_ids)
     if args.state is not None:
         checks.writable_dir("--state", args.state)
@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decoupled DiLoCo: train one model on several independent, unreliable learners.",
     )
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (syncer and learner: INFO, with a line "
+                                            "of progress a minute; others: WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # subcommands' parsers are Parsers too
     sub.required = True
     parser.commands = sub.choices
@@ -450,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--duration", type=float,
                    help="stop the run this many seconds after the first join; the syncer exits once every learner "
                         "has left")
+    b.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit once the budget is spent and every learner has left (default); --no-exit-when-done "
+                        "serves until stopped (SIGTERM), as under `diloco run`, which stops its syncer itself once "
+                        "its learners, restarted ones included, are done")
     o = p.add_argument_group("output and state")
     o.add_argument("--state", type=Path, help="directory for snapshots, the final model and syncer.json")
     o.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between model snapshots in --state")
@@ -577,7 +582,8 @@ def with_config(parser: Parser, args: argparse.Namespace, argv: list[str] | None
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = args.log_level or ("INFO" if args.command in ("syncer", "learner") else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from diloco.learner.transport import SyncerError
     from diloco.run.links import LinkError
     from diloco.run.local import RunFailed

@@ -90,6 +90,31 @@ class ServerOptions:
     credential (--client-cert-ids)."""
 
 
+PROGRESS_EVERY_SECONDS = 60.0
+"""How often the syncer logs a line of progress (at INFO, the default level of `diloco syncer`)."""
+
+
+class ProgressLine:
+    """One log line a minute: rounds and their rate, live learners, tokens, refusals and dropped rounds."""
+
+    def __init__(self, every: float = PROGRESS_EVERY_SECONDS):
+        self.every, self.at, self.rounds = every, time.monotonic(), 0
+
+    def maybe_log(self, status: dict) -> None:
+        now = time.monotonic()
+        if now - self.at < self.every or not status.get("initialized"):
+            return
+        live = sum(1 for learner in status["learners"] if learner["state"] == "live")
+        rate = (status["rounds"] - self.rounds) / (now - self.at) * 60
+        progress = status.get("budget_progress")
+        log.info("%d rounds (%.0f a minute), %d learner%s live of %d known, %.3g tokens trained, %.3g merged, "
+                 "%d refusals, %d dropped rounds%s", status["rounds"], rate, live, "" if live == 1 else "s",
+                 len(status["learners"]), status["tokens_trained"], status["tokens_merged"],
+                 sum(status["refusals"].values()), status.get("dropped_rounds", 0),
+                 "" if progress is None else f", {100 * progress:.0f}% of the budget")
+        self.at, self.rounds = now, status["rounds"]
+
+
 HTTP_TIMEOUT = 10.0
 """Seconds an HTTP client may take to send its request or read the reply before its connection is closed."""
 
@@ -339,12 +364,14 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     next_snapshot = core.clock() + opts.snapshot_seconds
     next_tokens = opts.snapshot_tokens
     snapshot_errors = Throttled(log)
+    progress = ProgressLine()
     try:
         while not stop.is_set():
             status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
                           wire_parts=metrics.wire_by_part(), **ready,
                           **health(core))
             metrics.observe_status(status)
+            progress.maybe_log(status)
             beat["at"] = time.monotonic()  # /healthz: the loop turns
             if on_status:
                 on_status(dict(status))

@@ -19,6 +19,8 @@ from diloco.train.model import build_model
 from diloco.train.optimizer_state import OptimizerCheckpoint
 
 log = logging.getLogger("diloco.learner")
+PROGRESS_EVERY_SECONDS = 60.0
+"""How often a learner logs a line of progress (at INFO, the default level of `diloco learner`)."""
 
 
 @dataclass
@@ -175,6 +177,7 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
     metrics = MetricsLog(opts.metrics_path if rank == 0 else None, opts.tensorboard if rank == 0 else None)
     tokens_per_step = cfg.tokens_per_step()
     started = time.time()
+    logged_at, logged_step = time.monotonic(), 0
     try:
         while not learner.should_stop and (opts.max_steps is None or learner.step_count < opts.max_steps):
             leave = opts.stop is not None and opts.stop.is_set()
@@ -190,6 +193,13 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
             learner.step(tokens_per_step, loss=loss, data_position=sampler.position)
             if checkpoint is not None:
                 checkpoint.maybe_save()
+            if rank == 0 and time.monotonic() - logged_at >= PROGRESS_EVERY_SECONDS:
+                rate = (learner.step_count - logged_step) / (time.monotonic() - logged_at)
+                log.info("step %d (%.2f a second), loss %.4f, %d pushes, %d merged fragments applied, %d refused%s",
+                         learner.step_count, rate, loss, learner.pushes, learner.applied, learner.refused,
+                         "" if learner.budget_progress is None else f", {100 * learner.budget_progress:.0f}% of "
+                                                                    f"the run's budget")
+                logged_at, logged_step = time.monotonic(), learner.step_count
             metrics.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
                       tokens_per_second=tokens_per_step * ranks / busy, pushes=learner.pushes, applied=learner.applied,
                       versions=learner.global_fragment_versions())
