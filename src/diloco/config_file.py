@@ -109,7 +109,7 @@ def suggest(key: str, keys: dict[str, dict]) -> str:
     everywhere = {key_text(t, k): k for t, ks in keys.items() for k in ks}
     close = difflib.get_close_matches(key, list(everywhere.values()), n=1, cutoff=0.6)
     if not close:
-        return f"; see `diloco ... --print-config` or docs/config.md for the keys"
+        return "; see `--print-config` or docs/config.md for the keys"
     named = [text for text, k in everywhere.items() if k == close[0]]
     return f"; did you mean {named[0]}?"
 

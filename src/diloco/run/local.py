@@ -333,7 +333,8 @@ def run_local(args) -> int:
 
 def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None, links=None):
     syncer_dir = plan.out / "syncer"
-    syncer_args = ["--sync-config", str(plan.out / "sync_config.json")]
+    # the run stops its syncer once every learner is done: a learner restarted after a fault may join late
+    syncer_args = ["--sync-config", str(plan.out / "sync_config.json"), "--no-exit-when-done"]
     if plan.initial_model:
         syncer_args += ["--initial-model", str(plan.initial_model)]
     if plan.tokens:
