@@ -171,3 +171,14 @@ def test_package_exports_and_typing_marker():
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["diloco"]
     assert project["project"]["scripts"]["diloco"] == "diloco_cli:main"
     assert os.path.exists(Path(__file__).resolve().parents[1] / "LICENSE")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch-size", "0", "--batch-size must be at least 1, got 0"),
+    ("--lr", "-1", "--lr must be a positive number, got -1.0"),
+    ("--seed", "-2", "--seed must be 0 or more, got -2"),
+])
+def test_training_settings_that_cannot_train_are_refused_before_anything_starts(capsys, tmp_path, flag, value, message):
+    assert refused(capsys, "run", "--model", "tiny", flag, value, "--out", str(tmp_path / "run")) == [
+        f"diloco run: error: {message}"]
+    assert not (tmp_path / "run").exists()

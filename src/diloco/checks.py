@@ -51,3 +51,15 @@ def corpus(train, shards: int) -> None:
         eval_batches(data.heldout, train.model.seq_len, 1, 1)
     except ValueError as e:
         raise InputError(f"--corpus: {e}") from None
+
+
+def training(train) -> None:
+    """Settings of the built-in trainer that would train nothing, or fail in every learner."""
+    import math
+
+    if train.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {train.batch_size}")
+    if not 0 < train.lr < math.inf:
+        raise InputError(f"--lr must be a positive number, got {train.lr}")
+    if train.seed < 0:
+        raise InputError(f"--seed must be 0 or more, got {train.seed}")

@@ -173,6 +173,7 @@ def train_config(args):
         cfg = replace(cfg, model=model_config(args.model))
     if not 0 <= cfg.decay_fraction <= 1:
         raise ValueError(f"--lr-decay must be between 0 and 1 (a share of the budget), got {cfg.decay_fraction}")
+    checks.training(cfg)
     return cfg
 
 
