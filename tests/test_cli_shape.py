@@ -40,7 +40,7 @@ def test_no_parser_takes_abbreviations():
 
 def test_an_abbreviated_flag_is_an_error_of_two_lines(capsys):
     lines = refused(capsys, "run", "--learner", "3")
-    assert lines == ["diloco: error: unrecognized arguments: --learner 3", "see `diloco --help`"]
+    assert lines == ["diloco run: error: unrecognized arguments: --learner 3", "see `diloco run --help`"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -41,6 +41,13 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\nsee `{self.prog} --help`\n")
 
+    def parse_args(self, args=None, namespace=None):
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:  # named by the subcommand they were given to, which argparse leaves to the top parser
+            command = getattr(self, "commands", {}).get(getattr(args, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return args
+
 
 class _SyncGroups:
     """Puts each synchronisation flag in --help's "synchronisation" group or, for the settings SyncConfig marks as
