@@ -95,7 +95,8 @@ def train_config(args, model: ModelConfig) -> TrainConfig:
 # ---- the corpus ----------------------------------------------------------------------------------------------------
 def load_corpus(folder: Path, log) -> tuple[np.ndarray, np.ndarray, int]:
     """(train tokens, held-out tokens, vocabulary size) of a corpus built by benchmarks/corpus.py; the tokens are
-    cached beside it, keyed by the text's checksum."""
+    cached in a folder beside it (FOLDER-tokens, so that the corpus folder itself stays small enough to carry), keyed
+    by the text's checksum."""
     manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
         raise SystemExit(f"no corpus at {folder}: build it with `python benchmarks/corpus.py {folder}` "
@@ -110,7 +111,8 @@ def load_corpus(folder: Path, log) -> tuple[np.ndarray, np.ndarray, int]:
     dtype = np.uint16 if vocab <= 1 << 16 else np.int32
     out = []
     for name in ("train.txt.xz", "heldout.txt.xz"):
-        cache = folder / f"{name.split('.')[0]}-{manifest['files'][name]['sha256'][:12]}.npy"
+        digest = manifest["files"][name]["sha256"][:12]
+        cache = folder.parent / f"{folder.name}-tokens" / f"{name.split('.')[0]}-{digest}.npy"
         if cache.is_file():
             out.append(np.load(cache))
             continue
@@ -123,6 +125,7 @@ def load_corpus(folder: Path, log) -> tuple[np.ndarray, np.ndarray, int]:
                 ids.extend(enc.ids)
                 ids.extend(separator)
         tokens = np.asarray(ids, dtype=dtype)
+        cache.parent.mkdir(exist_ok=True)
         np.save(cache, tokens)
         log(f"tokenized {name}: {len(tokens):,} tokens in {time.monotonic() - started:.1f} s")
         out.append(tokens)
@@ -490,7 +493,8 @@ def markdown(report: dict) -> str:
         published = f"+{pub['35M']:.3f} / +{pub['180M']:.3f}" if pub else "–"
         lines.append(f"| {r['run']} | {r['learners']} | {r['preset']} | {fmt(r['final_loss'], '.4f')} | "
                      f"{fmt(r['gap_nats'], '+.4f')} | {published} | "
-                     f"{fmt(r['tokens_to_dp_final_ratio'], '.2f', 'not reached')}{'×' if r['tokens_to_dp_final_ratio'] else ''} | "
+                     f"{fmt(r['tokens_to_dp_final_ratio'], '.2f', 'not reached')}"
+                     f"{'×' if r['tokens_to_dp_final_ratio'] else ''} | "
                      f"{fmt(r['dp_tokens_to_this_final_ratio'], '.2f')} |")
     lines += notes(q)
     o = report["overhead"]
@@ -503,7 +507,8 @@ def markdown(report: dict) -> str:
     for r in o["rows"]:
         sp, sl = r.get("syncs_plain", {}), r.get("syncs_learner", {})
         lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['batch'][0]}×{r['batch'][1]} | "
-                     f"{fmt(r.get('plain_tokens_per_second'), ',.0f')} | {fmt(r.get('learner_tokens_per_second'), ',.0f')}"
+                     f"{fmt(r.get('plain_tokens_per_second'), ',.0f')} | "
+                     f"{fmt(r.get('learner_tokens_per_second'), ',.0f')}"
                      f" | {fmt(r.get('tokens_per_second_ratio'), '.3f')} | {'yes' if r.get('meets_goal') else 'no'} | "
                      f"{sp.get('training_thread', '–')} / {sl.get('training_thread', '–')} "
                      f"{json.dumps(sl.get('training_thread_calls', {}))} | {sl.get('other_threads', '–')} |")
@@ -649,13 +654,15 @@ def main(argv=None) -> int:
         for i, (name, m, preset) in enumerate(plan):
             run_end = time.monotonic() + (deadline - time.monotonic()) / (len(plan) - i)
             runs.append(run_decoupled(setup, name, m, preset, run_end, log=log))
-        report["quality"] = dict(model=dict(vars(setup.model), parameters=count_parameters(build_model(setup.model, 0))),
+        parameters = count_parameters(build_model(setup.model, 0))
+        report["quality"] = dict(model=dict(vars(setup.model), parameters=parameters),
                                  batch=args.batch, learner_batch_scale=args.learner_batch_scale, tokens=q_tokens,
                                  seed=args.seed, dp=dp.to_json(), runs=[r.to_json() for r in runs],
                                  rows=quality_rows(dp, runs),
                                  notes=[f"{o.name}: {o.stopped}" for o in [dp, *runs] if o.stopped])
     else:
-        report["quality"] = dict(model=dict(vars(setup.model), parameters=0), batch=args.batch, tokens=0, seed=args.seed,
+        report["quality"] = dict(model=dict(vars(setup.model), parameters=0), batch=args.batch, tokens=0,
+                                 seed=args.seed,
                                  dp=dict(final_loss=None), rows=[], notes=["not run (--parts)"])
 
     if "mixed" in parts:
