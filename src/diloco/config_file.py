@@ -247,7 +247,7 @@ def effective(command: str, parser: argparse.ArgumentParser, args: argparse.Name
 
 
 def model_name(model) -> str | None:
-    from diloco.cli import model_config
+    from diloco.options import model_config
 
     return next((name for name in ("small", "tiny") if model_config(name) == model), None)
 
@@ -256,12 +256,12 @@ def resolved_table(command: str, args: argparse.Namespace, table: str):
     """The SyncConfig or TrainConfig this command's settings give (None where it has none: dp's sync)."""
     cache = args.__dict__.setdefault("_resolved", {})
     if table not in cache:
-        from diloco import cli
+        from diloco import options
 
         if table == "sync":
-            cache[table] = None if args.mode == "dp" else cli.resolved_sync_config(args)
+            cache[table] = None if args.mode == "dp" else options.resolved_sync_config(args)
         else:
-            cache[table] = cli.train_config(args)
+            cache[table] = options.train_config(args)
     return cache[table]
 
 

@@ -17,8 +17,7 @@ from typing import Callable
 
 from diloco.atomic import write_json
 from diloco.baselines.dp import latest_checkpoint, ring_allreduce_bytes
-from diloco.run.cluster import spawn, stop
-from diloco.run.local import RunFailed, collect_summaries
+from diloco.run.cluster import RunFailed, collect_summaries, spawn, stop
 from diloco.run.report import read_metrics
 
 MAX_RESTARTS = 20

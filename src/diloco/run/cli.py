@@ -6,20 +6,6 @@ import argparse
 from pathlib import Path
 
 
-def parse_speeds(text: str | None, learners: int) -> list[float]:
-    if not text:
-        return [1.0] * learners
-    try:
-        speeds = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--speeds must be comma-separated numbers like 1,1,0.5,0.25, got {text!r}") from None
-    if len(speeds) != learners:
-        raise ValueError(f"--speeds lists {len(speeds)} factors for {learners} learners; give one per learner")
-    if any(not 0 < s <= 1 for s in speeds):
-        raise ValueError(f"speed factors must be in (0, 1] (1 = full speed, 0.25 = four times slower), got {text}")
-    return speeds
-
-
 def add_network_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     n = p.add_argument_group("network (docs/architecture.md, Shaped links)")
     n.add_argument("--link", metavar="RATE",
@@ -32,7 +18,7 @@ def add_network_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def register(sub, add_sync_options, add_train_options) -> None:
-    from diloco.cli import add_config_options, address
+    from diloco.options import add_config_options, address
 
     p = sub.add_parser(
         "run", help="train on this machine: a syncer and N learner processes (the main job)",

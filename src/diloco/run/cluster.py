@@ -182,3 +182,18 @@ class LocalCluster:
         for proxies in self.proxies.values():
             for proxy in proxies:
                 proxy.stop()
+
+
+class RunFailed(RuntimeError):
+    """A process of the run failed; the message names its log."""
+
+
+def collect_summaries(plan, procs: dict[str, subprocess.Popen]) -> list[dict]:
+    """Each learner's summary file in `plan.out` (or just its id when it died before writing one) and exit code."""
+    learners = []
+    for lid, p in procs.items():
+        path = plan.out / "learners" / f"{lid}.json"
+        summary = json.loads(path.read_text()) if path.exists() else {"id": lid}
+        summary["exit_code"] = p.returncode
+        learners.append(summary)
+    return learners

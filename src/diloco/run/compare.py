@@ -17,7 +17,7 @@ from diloco import checks, procs
 
 
 def register(sub) -> None:
-    from diloco.cli import add_config_options
+    from diloco.options import add_config_options
     from diloco.run.cli import add_network_options
 
     p = sub.add_parser("compare", help="run several modes under one budget and fault scenario, side by side",
@@ -90,7 +90,7 @@ def cmd_compare(args) -> int:
         latency = ["--link-latency-ms", str(args.link_latency_ms)]
     out = args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     checks.writable_dir("--out", out)
-    from diloco.cli import train_config
+    from diloco.options import train_config
 
     train = train_config(argparse.Namespace(seed=args.seed, model=args.model))
     budget, budget_line = same_budget(args, train.tokens_per_step())

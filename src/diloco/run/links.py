@@ -363,3 +363,11 @@ class ShapedLinks:
         for sig, handler in self._signals.items():
             signal.signal(sig, handler)
         self._signals.clear()
+
+
+def link_text(plan) -> str | None:
+    """The links as the report and the display name them: "5mbit each way, +40 ms", or None on loopback."""
+    link, latency = getattr(plan, "link", None), getattr(plan, "link_latency_ms", 0.0)
+    parts = [f"{rate_text(link)} each way"] if link else []
+    parts += [f"+{latency:g} ms to the syncer"] if latency else []
+    return ", ".join(parts) or None

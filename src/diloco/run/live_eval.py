@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from diloco.syncer import annotations
 from diloco.train.data import Corpus, eval_batches, evaluate
@@ -40,7 +41,6 @@ class LiveEval:
         self._thread.join(60)
 
     def _run(self) -> None:
-        from diloco.run.report import load_params  # the report reads this module's cache
 
         model = build_model(self.train.model, self.train.seed)
         batches = eval_batches(Corpus.from_config(self.train).heldout, self.train.model.seq_len,
@@ -74,3 +74,16 @@ def cached(out: Path) -> dict[str, float]:
     except (OSError, ValueError):
         return {}
     return {k: float(v) for k, v in data.items() if isinstance(k, str) and isinstance(v, (int, float))}
+
+
+def load_params(model: torch.nn.Module, path: Path) -> dict:
+    """Copy a saved global model into `model` by parameter name; returns the file's metadata."""
+    params = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt") as f:
+        missing = set(params) - set(f.keys())
+        if missing:
+            raise ValueError(f"{path} lacks parameters {sorted(missing)[:3]}: it was saved from a different model")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(f.get_tensor(name))
+        return dict(f.metadata() or {})

@@ -16,12 +16,12 @@ from rich.live import Live
 
 from diloco import checks
 from diloco.chaos.injector import Injector
-from diloco.cli import model_config
 from diloco.config import for_mode
-from diloco.run.cluster import ClusterError, LocalCluster, with_signal
-from diloco.run.cli import parse_speeds
-from diloco.run.pacing import auto_pace, parse_pace
+from diloco.options import model_config
+from diloco.run.cluster import ClusterError, LocalCluster, RunFailed, collect_summaries, with_signal
+from diloco.run.pacing import auto_pace, parse_pace, parse_speeds
 from diloco.run.display import progress_table
+from diloco.run.links import link_text
 from diloco.run.live_eval import LiveEval
 from diloco.run.report import build_report, print_summary
 from diloco.syncer import annotations
@@ -30,10 +30,6 @@ from diloco.train.loop import train_config_to_json
 
 log = logging.getLogger("diloco.run")
 DEFAULT_DURATION = 120.0
-
-
-class RunFailed(RuntimeError):
-    """A process of the run failed; the message names its log."""
 
 
 TINY = model_config("tiny")
@@ -75,7 +71,7 @@ class Plan:
 
 
 def make_plan(args) -> Plan:
-    from diloco.cli import sync_overrides, train_config
+    from diloco.options import sync_overrides, train_config
 
     if args.learners < 1:
         raise ValueError(f"--learners must be at least 1, got {args.learners}")
@@ -198,16 +194,6 @@ def network(args) -> tuple[float | None, float]:
     return link, latency
 
 
-def link_text(plan: Plan) -> str | None:
-    """The links as the report and the display name them: "5mbit each way, +40 ms", or None on loopback."""
-    from diloco.run.links import rate_text
-
-    link, latency = getattr(plan, "link", None), getattr(plan, "link_latency_ms", 0.0)
-    parts = [f"{rate_text(link)} each way"] if link else []
-    parts += [f"+{latency:g} ms to the syncer"] if latency else []
-    return ", ".join(parts) or None
-
-
 def budget_text(plan: Plan) -> str:
     paced = f", paced {plan.pace:.3f} s/step" if plan.pace else ""
     if plan.tokens:
@@ -288,17 +274,6 @@ def _dp_injector(plan: Plan):
         plan.fault_timeline = injector.timeline
 
     return on_tick
-
-
-def collect_summaries(plan: Plan, procs: dict[str, subprocess.Popen]) -> list[dict]:
-    """Each learner's summary file (or just its id when it died before writing one) and exit code."""
-    learners = []
-    for lid, p in procs.items():
-        path = plan.out / "learners" / f"{lid}.json"
-        summary = json.loads(path.read_text()) if path.exists() else {"id": lid}
-        summary["exit_code"] = p.returncode
-        learners.append(summary)
-    return learners
 
 
 def run_local(args) -> int:

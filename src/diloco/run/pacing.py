@@ -58,3 +58,17 @@ def parse_pace(text: str | None) -> float | str | None:
     if not 0 < value < float("inf"):
         raise ValueError(f"--pace must be a positive number of seconds, auto or off, got {text!r}")
     return value
+
+
+def parse_speeds(text: str | None, learners: int) -> list[float]:
+    if not text:
+        return [1.0] * learners
+    try:
+        speeds = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--speeds must be comma-separated numbers like 1,1,0.5,0.25, got {text!r}") from None
+    if len(speeds) != learners:
+        raise ValueError(f"--speeds lists {len(speeds)} factors for {learners} learners; give one per learner")
+    if any(not 0 < s <= 1 for s in speeds):
+        raise ValueError(f"speed factors must be in (0, 1] (1 = full speed, 0.25 = four times slower), got {text}")
+    return speeds

@@ -10,26 +10,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from safetensors import safe_open
 
 from diloco.run import accounting, live_eval
+from diloco.run.live_eval import load_params
 from diloco.run.display import human_bytes
 from diloco.train.data import Corpus, eval_batches, evaluate, sample_text
 from diloco.train.model import build_model, count_parameters
 from diloco.train.tokenizer import ByteTokenizer
-
-
-def load_params(model: torch.nn.Module, path: Path) -> dict:
-    """Copy a saved global model into `model` by parameter name; returns the file's metadata."""
-    params = dict(model.named_parameters())
-    with safe_open(str(path), framework="pt") as f:
-        missing = set(params) - set(f.keys())
-        if missing:
-            raise ValueError(f"{path} lacks parameters {sorted(missing)[:3]}: it was saved from a different model")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(f.get_tensor(name))
-        return dict(f.metadata() or {})
 
 
 def read_metrics(folder: Path) -> dict[str, list[dict]]:
@@ -155,7 +142,7 @@ def link_fields(plan, source: dict) -> dict:
     """The shaped links (`--link`, `--link-latency-ms`) and what crossed them: per learner the bytes its link
     carried up (from it) and down (to it), counted by the kernel on the link's host end with Ethernet headers; in dp
     a byte between two workers crosses both of their links, so it counts in each one's up or down."""
-    from diloco.run.local import link_text
+    from diloco.run.links import link_text
 
     fields = {"link": link_text(plan)}
     if getattr(plan, "link", None):
