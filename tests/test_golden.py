@@ -35,7 +35,7 @@ def train_steps(model, opt, learner, grads, tokens=10):
             learner.step(tokens)
 
 
-TOY = dict(norm_ceiling=0.0, max_round_ratio=0.0)
+TOY = dict(norm_ceiling=0.0, max_round_ratio=0.0, clip_norm_ratio=0.0)
 """A one-scalar model moved by several times its value per step: far over the outlier ceiling and the bound on a
 round's step meant for real models, and beside the arithmetic these tests check."""
 
@@ -154,7 +154,7 @@ def test_k_equals_m_p1_matches_reference_diloco_on_a_real_model():
 
 def overlap_trajectory(keep: bool) -> list[float]:
     cfg = for_mode("decoupled", 1, fragments=1, sync_every=2, overlap=1, outer_lr=1.0, outer_momentum=0.0,
-                   codec="fp32", down_codec="fp32", keep_overlap=keep)
+                   codec="fp32", down_codec="fp32", keep_overlap=keep, **TOY)
     model = FixedGradient()
     learner = Learner(model, LocalTransport(LocalSyncer(SyncerCore(cfg))), "solo")
     opt = torch.optim.SGD(model.parameters(), lr=0.25)

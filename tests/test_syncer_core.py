@@ -26,7 +26,8 @@ class Clock:
 
 def make_core(learners=2, specs=SPECS, **overrides):
     clock = Clock()
-    cfg = for_mode("decoupled", learners, fragments=3, sync_every=6, codec="fp32", **overrides)
+    # unit-sized Δs on a toy fragment: the robust merge's clip (tested in test_hostile_learners.py) would rescale them
+    cfg = for_mode("decoupled", learners, fragments=3, sync_every=6, codec="fp32", **{"clip_norm_ratio": 0.0, **overrides})
     core = SyncerCore(cfg, clock=clock)
     flats = [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(specs, 3)]
     core.initialize(specs, flats)
