@@ -49,7 +49,8 @@ def test_syncer_refuses_a_plaintext_token_beyond_loopback_unless_insecure(tmp_pa
                                            tls_key=cert)) == ([], [])
     assert exposure_problems(ServerOptions(listen="127.0.0.1:50051", http="127.0.0.1:0", token="t")) == ([], [])
     errors, _ = exposure_problems(ServerOptions(listen="0.0.0.0:50051", http=None))
-    assert errors == ["listening on 0.0.0.0:50051 (beyond loopback) needs a shared secret: pass --token"]
+    assert errors == ["listening on 0.0.0.0:50051 (beyond loopback) needs secrets: pass --credentials (a token per "
+                      "learner) or --token (one shared by trusted learners)"]
 
 
 def test_http_beyond_loopback_needs_a_status_token():

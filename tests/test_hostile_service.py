@@ -236,7 +236,9 @@ def test_fuzz_every_rpc_while_an_honest_learner_trains(syncer):
                 "leave": lambda: fuzz_leave(rng, syncer.address, session, values)}[kind]()
         code, details = code_of(call)
         seen.setdefault((kind, code.name), details[:200])
-        assert code not in NEVER, f"{kind} ended {code.name}: {details[:500]}"
+        # the per-learner heartbeat rate is the one RESOURCE_EXHAUSTED a request may get, and it says so
+        limited = code == grpc.StatusCode.RESOURCE_EXHAUSTED and kind == "heartbeat" and "faster than" in details
+        assert code not in NEVER or limited, f"{kind} ended {code.name}: {details[:500]}"
         assert len(details) <= 2000
         calls += 1
         if rng.random() < 0.02:

@@ -153,6 +153,12 @@ def cmd_learner(args) -> int:
     from diloco import procs
 
     procs.die_with_parent_now()  # a torchrun rank of a `diloco run` learner ends with its launcher
+    from diloco.ids import InvalidLearnerId, check_learner_id
+
+    try:  # a usage mistake, said before anything starts (the syncer would refuse it too)
+        check_learner_id(args.id)
+    except InvalidLearnerId as e:
+        raise UserError(f"--id: {e}") from None
     for flag, path in (("--metrics", args.metrics), ("--summary", args.summary),
                        ("--optimizer-state", args.optimizer_state)):
         if path is not None:

@@ -350,10 +350,11 @@ class SyncerCore:
 
     def budget_tokens(self) -> int:
         """Tokens the budget and the learning-rate progress count: per learner what its heartbeats report, but never
-        more than its accepted pushes carried plus two contributions' worth (what it trained since its latest
-        pushes). A claim in a heartbeat alone spends nothing."""
+        more than its accepted pushes carried plus two cycles (2·H steps) at its accepted tokens per step (what it
+        trained since its latest pushes). A claim in a heartbeat alone spends nothing."""
         with self.lock:
-            return int(sum(min(r.tokens_trained, r.tokens_accepted + 2 * (r.contribution_tokens.value or 0.0))
+            slack = 2 * self.cfg.sync_every
+            return int(sum(min(r.tokens_trained, r.tokens_accepted + slack * r.step_tokens)
                            for r in self.learners.values()))
 
     def pushing(self, learners) -> frozenset[str]:
@@ -465,6 +466,7 @@ class SyncerCore:
                 # every token trains every fragment: a shard counts its own fragments' share of each
                 record.tokens_accepted += carried / max(1, sum(1 for f in self.owned if f.fragment.role == "params"))
                 record.last_push = (arrived, fragment)  # its phase in the push schedule, for predicting the next
+                record.step_tokens = counted[0] / counted[1] if counted[1] else 0.0
             record.pushes += 1
             record.staleness = staleness
             if transfer_seconds:

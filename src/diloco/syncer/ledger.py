@@ -70,6 +70,9 @@ class LearnerRecord:
     credential: str = ""
     """Who vouched for this learner: its own credential's name, or its id under a shared run token (each id then
     counts as a party of its own). References of declared values are per credential (syncer/reference.py)."""
+    step_tokens: float = 0.0
+    """Tokens per step of its latest accepted parameter contribution, as counted (bounded): two cycles of them are
+    how far its heartbeats may run ahead of its accepted pushes in the budget."""
     tokens_accepted: float = 0.0
     """Tokens its accepted parameter pushes carried (bounded as weights are), per fragment they cover: what the
     token budget and the learning-rate progress count, never heartbeat claims alone."""

@@ -45,8 +45,9 @@ log = logging.getLogger("diloco.syncer")
 MAX_STREAMS = 4
 """Update streams, and push streams, one learner may hold open at once (a learner uses one of each; a reconnect
 may overlap the old stream briefly): one party cannot multiply what it costs the syncer."""
-HEARTBEATS_PER_SECOND = 20.0
-"""Sustained heartbeats a learner may send (a learner sends 2 a second), with a burst of as many again."""
+HEARTBEATS_PER_SECOND = 100.0
+"""Sustained heartbeats a learner may send (a learner sends 2 a second; a latency probe, 20), with a burst of as
+many: a flood from one credential costs the syncer a bounded share of its time."""
 EXPIRY_SECONDS = 10.0
 """How often departed learners' records are looked at for expiry (SyncerCore.expire)."""
 
