@@ -115,3 +115,51 @@ def test_syncer_with_a_duration_exits_by_itself(tmp_path):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
+
+
+def test_stop_all_signals_every_process_before_waiting_for_any(tmp_path):
+    """Each process leaves only once every other one has been asked to: stopping them one at a time would hold
+    the first until its deadline and SIGKILL it."""
+    from diloco.run.cluster import spawn, stop_all
+
+    n = 3
+    leave = ("import pathlib, signal, sys, time\n"
+             "d, i, n = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (d / i).touch())\n"
+             "(d / f'ready-{i}').touch()\n"
+             "while len(list(d.glob('[0-9]*'))) < n:\n"
+             "    time.sleep(0.05)\n")
+    procs = [spawn([sys.executable, "-c", leave, str(tmp_path), str(i), str(n)], tmp_path / f"{i}.log")
+             for i in range(n)]
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == n, timeout=120)
+        stop_all(procs, timeout=60)
+        assert [p.returncode for p in procs] == [0] * n
+    finally:
+        kill_all(p.pid for p in procs)
+
+
+def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
+    out = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "2", "--duration",
+                            "600", "--no-progress", "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    children: set[int] = set()
+    try:
+        metrics = out / "metrics"
+        wait_for(lambda: len([p for p in metrics.glob("*.jsonl") if p.stat().st_size]) == 2, timeout=180)
+        children = descendants(run.pid)
+        run.send_signal(signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=240)
+        assert run.returncode == 130, stderr[-3000:]
+        assert not any(alive(pid) for pid in children)
+        assert f"interrupted; run directory {out}" in stderr.replace("\n", " ")
+        report = json.loads((out / "report.json").read_text())
+        assert report["tokens_trained"] > 0 and (out / "model.safetensors").exists()
+        assert all(s["exit_code"] == 0 for s in report["per_learner"])  # each left cleanly, none was killed
+        assert "wall-clock" in stdout
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)
+        kill_all(children)

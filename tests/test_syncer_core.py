@@ -345,9 +345,13 @@ def test_token_budget_and_duration_stop_the_run():
     core2, clock2 = make_core()
     core2.duration = 5.0
     s2 = core2.join("a", SPECS)
-    assert not core2.heartbeat("a", s2)
-    clock2.now += 5.0
-    assert core2.heartbeat("a", s2)
+    clock2.now += 30.0  # start-up (building the model, the first batch) is not training time
+    assert not core2.heartbeat("a", s2, tokens_trained=0)
+    assert not core2.heartbeat("a", s2, tokens_trained=8)  # the first step: the duration starts here
+    clock2.now += 4.9
+    assert not core2.heartbeat("a", s2, tokens_trained=16)
+    clock2.now += 0.1
+    assert core2.heartbeat("a", s2, tokens_trained=24)
 
 
 def test_budget_progress_is_the_larger_share_of_tokens_or_time_spent():

@@ -17,7 +17,7 @@ from typing import Callable
 
 from diloco.atomic import write_json
 from diloco.baselines.dp import latest_checkpoint, ring_allreduce_bytes
-from diloco.run.cluster import RunFailed, collect_summaries, spawn, stop
+from diloco.run.cluster import RunFailed, collect_summaries, spawn, stop_all
 from diloco.run.report import read_metrics
 
 MAX_RESTARTS = 20
@@ -161,8 +161,7 @@ def run_dp(plan, progress, on_tick: Callable[[Procs], None] | None = None, max_r
                 found = latest_checkpoint(plan.out / "dp" / "checkpoint")
                 restarts.append({"at_unix": round(time.time(), 3), "resumed_step": found[0] if found else 0})
     finally:
-        for p in procs.values():
-            stop(p)
+        stop_all(list(procs.values()))
     learners = collect_summaries(plan, procs)
     if not (plan.out / "dp" / "dp.json").exists():
         raise RunFailed(f"data-parallel run failed; see {plan.out / 'logs'}")

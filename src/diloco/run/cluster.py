@@ -46,16 +46,25 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subpr
                                 preexec_fn=procs.die_with_parent())
 
 
-def stop(proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with_signal(proc, signal.SIGCONT)  # a paused process cannot handle SIGTERM
-    proc.send_signal(signal.SIGTERM)
+def stop_all(procs: list[subprocess.Popen | None], timeout: float = 30.0) -> None:
+    """SIGTERM to every process at once, then one shared deadline before SIGKILL: each leaves cleanly in parallel,
+    none waits for another. Ctrl-C while they leave kills them all at once."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for proc in live:
+        with_signal(proc, signal.SIGCONT)  # a paused process cannot handle SIGTERM
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
     try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with_signal(proc, signal.SIGKILL)
-        proc.wait()
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:  # the deadline passed, or a second Ctrl-C: nothing is left running
+        for proc in live:
+            if proc.poll() is None:
+                with_signal(proc, signal.SIGKILL)
+                proc.wait()
 
 
 def with_signal(proc: subprocess.Popen | None, sig: int) -> None:
@@ -175,13 +184,14 @@ class LocalCluster:
             proxy.partition(seconds)
 
     def shutdown(self) -> None:
-        for proc in self.procs.values():
-            stop(proc)
-        for proc in self.syncers:
-            stop(proc)
-        for proxies in self.proxies.values():
-            for proxy in proxies:
-                proxy.stop()
+        """Every learner leaves at once (pushing what it has left), then the syncers write their final state."""
+        try:
+            stop_all(list(self.procs.values()))
+            stop_all(self.syncers)
+        finally:
+            for proxies in self.proxies.values():
+                for proxy in proxies:
+                    proxy.stop()
 
 
 class RunFailed(RuntimeError):

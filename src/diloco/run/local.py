@@ -204,14 +204,24 @@ def budget_text(plan: Plan) -> str:
 
 
 class Progress:
-    """A live table on a terminal; a line every 15 s otherwise; nothing with --json or --no-progress."""
+    """A live table on a terminal; a line every 15 s otherwise; nothing with --json or --no-progress.
+
+    Its clock starts with the first trained tokens, as the report's wall-clock does: one duration for one run."""
 
     def __init__(self, plan: Plan, enabled: bool):
-        self.plan, self.started = plan, time.monotonic()
+        self.plan, self.started = plan, None
         self.console = Console(stderr=True)
         self.enabled = enabled
         self.live = Live(console=self.console, refresh_per_second=4) if enabled and self.console.is_terminal else None
         self._last_line = 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started if self.started is not None else 0.0
+
+    def say(self, text: str) -> None:
+        """A line of what the run is doing (on stderr; not with --json or --no-progress)."""
+        if self.enabled:
+            self.console.print(f"[{self.elapsed():5.0f}s] {text}", highlight=False)
 
     def __enter__(self):
         if self.live:
@@ -225,7 +235,9 @@ class Progress:
     def update(self, status: dict | None) -> None:
         if not status or not self.enabled:
             return
-        elapsed = time.monotonic() - self.started
+        if self.started is None and status.get("tokens_trained", 0) > 0:
+            self.started = time.monotonic()
+        elapsed = self.elapsed()
         if self.live:
             self.live.update(progress_table(status, elapsed, budget_text(self.plan)))
         elif elapsed - self._last_line >= 15:
@@ -276,6 +288,19 @@ def _dp_injector(plan: Plan):
     return on_tick
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM to `diloco run` stops it as Ctrl-C does: every process at once, and the report is still written."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_local(args) -> int:
     plan = make_plan(args)
     progress = Progress(plan, enabled=not (args.json or args.no_progress))
@@ -285,7 +310,7 @@ def run_local(args) -> int:
         from diloco.run.links import ShapedLinks
 
         links = ShapedLinks(plan.learners, plan.link)
-    with links or contextlib.nullcontext():  # removed on every way out: the end, an error, Ctrl-C, SIGTERM
+    with sigterm_as_interrupt(), links or contextlib.nullcontext():  # links removed on every way out
         if links is not None and progress.enabled:
             progress.console.print(f"each {'worker' if plan.mode == 'dp' else 'learner'} behind its own link of "
                                    f"{link_text(plan)}: namespaces {links.links[0].namespace[:-2]}-*")
@@ -293,15 +318,25 @@ def run_local(args) -> int:
             from diloco.baselines.launch import run_dp
 
             learners, source = run_dp(plan, progress, on_tick=_dp_injector(plan) if plan.faults else None, links=links)
+            interrupted = False
         else:
-            learners, source = _run_with_syncer(plan, progress, args.snapshots, plan.faults, links)
-    if links is not None:  # counted as the links came down, after every process had stopped
-        source["link_bytes"] = {f"learner-{i}": counts for i, counts in links.bytes.items()}
-    report = build_report(plan, learners, source, started)
+            learners, source, interrupted = _run_with_syncer(plan, progress, args.snapshots, plan.faults, links)
+        if links is not None:  # counted as the links came down, after every process had stopped
+            source["link_bytes"] = {f"learner-{i}": counts for i, counts in links.bytes.items()}
+        progress.say(f"evaluating the global model at its snapshots for the report ({plan.out / 'syncer' / 'snapshots'})"
+                     if plan.mode != "dp" else "evaluating the final model for the report")
+        report = build_report(plan, learners, source, started)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_summary(report, Console())
+    Console(stderr=True).print(
+        f"{'interrupted; ' if interrupted else ''}run directory {plan.out}: report.json, model.safetensors, "
+        f"eval_loss.png, sample.txt, logs/, metrics/", highlight=False, soft_wrap=True)
+    if interrupted:
+        from diloco import exits
+
+        return exits.INTERRUPTED
     failed = [x["id"] for x in learners if x.get("exit_code")]
     return 1 if failed else 0
 
@@ -354,7 +389,7 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
             annotations.post(f"127.0.0.1:{port}", note, timeout=1.0)
 
     injector = Injector(faults, cluster, tape, on_event=announce)
-    live = None
+    live, interrupted = None, False
     try:
         cluster.start()
         if n == 1:  # the global model's held-out loss on the dashboard as snapshots appear (shards: after the run)
@@ -365,7 +400,7 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
                 f"--syncer {cluster.address} --id NAME --train-config {plan.out / 'train_config.json'}`, "
                 "remove one with SIGTERM")
             progress.console.print("dashboard: " + ", ".join(f"http://127.0.0.1:{p}/" for p in cluster.http_ports))
-        started = None  # fault times count from the first trained tokens, not from process start-up
+        started, spent = None, False  # fault times count from the first trained tokens, not from process start-up
         with progress:
             while True:
                 status = cluster.status()
@@ -373,7 +408,10 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
                     started = time.monotonic()
                     plan.fault_origin_unix = time.time()
                 if status and status.get("stopping"):
-                    injector.finish()  # the budget is spent: nothing more to break or restart
+                    if not spent:
+                        spent = True
+                        progress.say("the budget is spent: every learner pushes what it has left and leaves")
+                    injector.finish()  # nothing more to break or restart
                 elif started is not None:
                     injector.tick(time.monotonic() - started)
                 restarting = any(f.kind in ("kill", "syncer-crash") for _, f in injector.active)
@@ -383,8 +421,15 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
                 time.sleep(0.25)
             progress.update(cluster.status())
         injector.finish()
+        progress.say("every learner has left; the syncer saves the final model")
     except ClusterError as e:
         raise RunFailed(str(e)) from None
+    except KeyboardInterrupt:
+        interrupted = True
+        injector.finish()
+        Console(stderr=True).print(f"[{progress.elapsed():5.0f}s] interrupted: every learner pushes what it has left "
+                                   "and leaves, then the syncer saves the model; Ctrl-C again stops them at once",
+                                   highlight=False)
     finally:
         if live is not None:
             live.stop()
@@ -393,6 +438,9 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
             tape.close()
     learners = collect_summaries(plan, cluster.procs)
     for i, d in enumerate(shard_dirs):
+        if interrupted and not (d / "syncer.json").exists():
+            Console(stderr=True).print(f"interrupted before the syncer had a model to save; logs in {plan.out / 'logs'}")
+            raise KeyboardInterrupt
         if not (d / "syncer.json").exists():
             name = "syncer" if n == 1 else f"syncer-{i}"
             raise RunFailed(f"the {name} wrote no final state; see {plan.out / 'logs' / (name + '.log')}")
@@ -402,4 +450,4 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
         combine_outputs(shard_dirs, syncer_dir)
     source = json.loads((syncer_dir / "syncer.json").read_text())
     source["faults"] = injector.timeline
-    return learners, source
+    return learners, source, interrupted
