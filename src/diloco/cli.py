@@ -250,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
     b.add_argument("--duration", type=float,
-                   help="stop the run this many seconds after the first join; the syncer exits once every learner "
-                        "has left")
+                   help="stop the run this many seconds after training started (a learner's first step); the "
+                        "syncer exits once every learner has left")
     b.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction, default=True,
                    help="exit once the budget is spent and every learner has left (default); --no-exit-when-done "
                         "serves until stopped (SIGTERM), as under `diloco run`, which stops its syncer itself once "

@@ -83,7 +83,8 @@ class SyncerCore:
         self.clock = clock
         self.token_budget = token_budget
         self.duration = duration
-        self.first_join_at: float | None = None
+        self.training_started_at: float | None = None
+        """When a learner first reported trained tokens: where a --duration budget starts."""
         self.specs: list[TensorSpec] | None = None
         self.fragments: list[FragmentState] = []
         self.buffers = Buffers()
@@ -223,8 +224,6 @@ class SyncerCore:
         with self.lock:
             now = self.clock()
             record = self.learners.get(learner_id)
-            if self.first_join_at is None:
-                self.first_join_at = now
             if record is None:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
@@ -280,6 +279,8 @@ class SyncerCore:
         with self.lock:
             record = self._record(learner_id, session)
             record.last_seen = self.clock()
+            if self.training_started_at is None and (progress.get("tokens_trained") or 0) > 0:
+                self.training_started_at = record.last_seen  # a duration counts training, not start-up
             progress.pop("data_position", None)  # the ledger's position moves only when work is merged
             step_seconds = progress.pop("step_seconds", None)
             if step_seconds:
@@ -309,8 +310,8 @@ class SyncerCore:
         if self.token_budget:
             with self.lock:
                 shares.append(self.budget_tokens() / self.token_budget)
-        if self.duration and self.first_join_at is not None:
-            shares.append((self.clock() - self.first_join_at) / self.duration)
+        if self.duration and self.training_started_at is not None:
+            shares.append((self.clock() - self.training_started_at) / self.duration)
         return min(max(shares), 1.0) if shares else None
 
     def expire(self) -> list[str]:

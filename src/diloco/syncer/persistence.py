@@ -30,7 +30,7 @@ def ledger(core) -> dict:
         "pending_share": [fs.pending_share for fs in core.fragments],
         "rounds": core.rounds,
         "started_unix": core.started_unix,
-        "elapsed_since_first_join": None if core.first_join_at is None else now - core.first_join_at,
+        "elapsed_since_training_started": None if core.training_started_at is None else now - core.training_started_at,
         "quorum_avg": core.quorum_avg.value,
         "sync_avg": core.sync_avg.value,
         "refusals": core.refusals,
@@ -106,7 +106,7 @@ def _parse(led: dict, ledger_name: str):
         specs = [TensorSpec(n, tuple(shape), dtype, emb, *rest) for n, shape, dtype, emb, *rest in led["specs"]]
         layout = plan_fragments(specs, cfg.fragments)
         for key in ("versions", "pending_share", "rounds", "refusals", "learners", "quorum_avg", "sync_avg",
-                    "started_unix", "elapsed_since_first_join"):
+                    "started_unix"):
             led[key]
     except (KeyError, TypeError, ValueError) as e:
         raise Damaged(ledger_name, f"not a syncer ledger ({type(e).__name__}: {e})") from None
@@ -200,7 +200,8 @@ def restore(core) -> bool:
     core.quorum_avg.value, core.sync_avg.value = led["quorum_avg"], led["sync_avg"]
     core.started_unix = led["started_unix"]
     core.started_at = now - (time.time() - core.started_unix)
-    if led["elapsed_since_first_join"] is not None:
-        core.first_join_at = now - led["elapsed_since_first_join"]
+    elapsed = led.get("elapsed_since_training_started", led.get("elapsed_since_first_join"))  # older states
+    if isinstance(elapsed, (int, float)) and 0 <= elapsed < float("inf"):
+        core.training_started_at = now - elapsed
     core.learners = {d["id"]: LearnerRecord.from_json(d, now) for d in led["learners"]}
     return True
