@@ -1,5 +1,5 @@
-"""benchmarks/gpu_scale.py: its --smoke run end to end (the GPU command's code path at CPU scale), its pure parts,
-and its refusals of bad input."""
+"""benchmarks/gpu_scale.py: its --smoke run end to end (the GPU command's code path at CPU scale), its pure parts
+(in benchmarks/gpu_runs.py), and its refusals of bad input."""
 
 import importlib.util
 import json
@@ -15,8 +15,11 @@ SCRIPT = ROOT / "benchmarks" / "gpu_scale.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 _spec = importlib.util.spec_from_file_location("gpu_scale", SCRIPT)
 gpu_scale = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_scale"] = gpu_scale  # its dataclasses look their module up
-_spec.loader.exec_module(gpu_scale)
+sys.modules["gpu_scale"] = gpu_scale  # registered as an imported module would be
+_spec.loader.exec_module(gpu_scale)  # puts src/ on sys.path and checks the package's imports, as on the GPU machine
+
+from gpu_runs import Outcome, first_reach, plan_tokens, quality_rows  # noqa: E402  (its pure parts)
+from gpu_setup import PUBLISHED_GAP  # noqa: E402
 
 
 def finite(x) -> bool:
@@ -46,7 +49,7 @@ def test_the_smoke_run_reports_every_part_with_finite_figures(smoke):
     for name, row in rows.items():
         assert finite(row["final_loss"]) and finite(row["gap_nats"]), name
         assert row["gap_nats"] == pytest.approx(row["final_loss"] - quality["dp"]["final_loss"])
-        assert row["published_gap_nats"] == gpu_scale.PUBLISHED_GAP[row["learners"]]
+        assert row["published_gap_nats"] == PUBLISHED_GAP[row["learners"]]
     for run in quality["runs"]:
         assert len(run["curve"]) >= 2 and all(finite(loss) for _, loss in run["curve"])
         assert run["preset"] in ("default", "paper") and run["rounds"] > 0
@@ -80,21 +83,21 @@ def test_the_table_has_a_row_per_run_and_the_log_shows_progress(smoke):
 
 def test_tokens_to_a_loss_are_interpolated_and_unreached_targets_are_none():
     curve = [(100, 3.0), (200, 2.0), (300, 1.5)]
-    assert gpu_scale.first_reach(curve, 2.5) == pytest.approx(150)
-    assert gpu_scale.first_reach(curve, 3.5) == 100 and gpu_scale.first_reach(curve, 1.0) is None
-    dp = gpu_scale.Outcome("dp", curve=[(100, 3.0), (200, 2.0)], tokens=200)
-    late = gpu_scale.Outcome("late", curve=[(100, 3.5), (200, 2.5)], tokens=200, extra=dict(learners=4))
-    (row,) = gpu_scale.quality_rows(dp, [late])
+    assert first_reach(curve, 2.5) == pytest.approx(150)
+    assert first_reach(curve, 3.5) == 100 and first_reach(curve, 1.0) is None
+    dp = Outcome("dp", curve=[(100, 3.0), (200, 2.0)], tokens=200)
+    late = Outcome("late", curve=[(100, 3.5), (200, 2.5)], tokens=200, extra=dict(learners=4))
+    (row,) = quality_rows(dp, [late])
     assert row["gap_nats"] == pytest.approx(0.5) and row["tokens_to_dp_final"] is None
     assert row["dp_tokens_to_this_final_ratio"] == pytest.approx(150 / 200)  # dp reached 2.5 at 150 tokens
 
 
 def test_the_plan_fits_the_time_and_never_goes_below_a_curve():
     per_token = {"dp": 1e-6, "decoupled-4": 3e-6}
-    q, m = gpu_scale.plan_tokens(400, per_token, 4, 2, unit=32768, least=10)
+    q, m = plan_tokens(400, per_token, 4, 2, unit=32768, least=10)
     cost = q * (1e-6 + 2 * (2e-6 + 3e-6)) + m * 2 * 1.5 * 3e-6
     assert q % 32768 == 0 and 0.7 * 400 < cost <= 400
-    assert gpu_scale.plan_tokens(0.001, per_token, 4, 2, unit=100, least=10) == (1000, 1000)
+    assert plan_tokens(0.001, per_token, 4, 2, unit=100, least=10) == (1000, 1000)
 
 
 @pytest.mark.parametrize("argv, message", [
