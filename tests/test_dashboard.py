@@ -1,4 +1,5 @@
-"""The syncer's dashboard at / : one self-contained page over /status, which carries what its panels show."""
+"""The syncer's dashboard at / : one self-contained page over /status (what its panels show now) and /history (what
+its charts draw, from the start of the run)."""
 
 import json
 import re
@@ -37,19 +38,25 @@ def trained_learner(address: str, name: str, steps: int = 12, pause: float = 0.0
     return learner
 
 
+def js(x: float) -> str:
+    """A number as JavaScript writes it in a template string (2.0 is "2")."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
 STAND_IN = """
 const elements = {};
 globalThis.document = { getElementById: (id) => (elements[id] = elements[id] || { id, textContent: "", innerHTML: "",
                                                                              clientWidth: 400, clientHeight: 160 }) };
-globalThis.fetch = async () => ({ ok: true, json: async () => STATUS });
+globalThis.fetch = async (url) => ({ ok: true, json: async () => (url.startsWith("history") ? HISTORY : STATUS) });
 globalThis.setTimeout = () => {};  // one poll
 """
 
 
-def render_in_node(page: str, status: dict) -> dict[str, str]:
-    """Runs the dashboard's script once under node on `status`; returns each element's shown text or markup."""
+def render_in_node(page: str, status: dict, history: dict) -> dict[str, str]:
+    """Runs the dashboard's script once under node on `status` and `history`; returns each element's shown text or
+    markup."""
     script = page.split("<script>", 1)[1].split("</script>", 1)[0]
-    program = (f"const STATUS = {json.dumps(status)};" + STAND_IN + script +
+    program = (f"const STATUS = {json.dumps(status)}; const HISTORY = {json.dumps(history)};" + STAND_IN + script +
                "\nsetImmediate(() => console.log(JSON.stringify(Object.fromEntries(Object.entries(elements)"
                ".map(([k, v]) => [k, v.innerHTML || v.textContent])))));")
     out = subprocess.run(["node", "-e", program], capture_output=True, text=True, timeout=60)
@@ -66,7 +73,9 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         assert kind.startswith("text/html") and get(port, "/dashboard")[1] == page
         assert 'fetch("status"' in page  # relative: works behind a path prefix and through an SSH tunnel
         assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing loaded from elsewhere (no CDN)
-        for panel in ("learners", "versions", "participation", "tokens", "loss", "timing", "refusals", "faults"):
+        assert 'fetch(incremental ? `history?since=${hist.now}` : "history"' in page  # relative too
+        for panel in ("learners", "versions", "participation", "tokens", "loss", "throughput", "timing", "refusals",
+                      "faults"):
             assert f'id="{panel}"' in page
         learner = trained_learner(syncer.address, "a", pause=0.02)
         def shown():
@@ -84,14 +93,30 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         assert annotations.post(http, {"kind": "fault", "event": "start", "fault": "kill", "target": "learner-1",
                                        "seconds": 4.0, "duration": 20.0}) is None
         wait_for(lambda: json.loads(get(port, "/status")[1])["faults"], timeout=10)
-        status = json.loads(get(port, "/status")[1])
+        def charted():  # the history samples every 2 s: rounds closed, the learner's steps and the posted loss
+            h = json.loads(get(port, "/history")[1])
+            return (h["global_eval"]["t"] and h["learners"].get("a", {}).get("t")
+                    and any(c is not None for c in h["samples"]["contributors"]))
+        wait_for(charted, timeout=30)
+        status, history = json.loads(get(port, "/status")[1]), json.loads(get(port, "/history")[1])
         assert status["global_eval"][-1]["loss"] == 2.75 and status["faults"][-1]["target"] == "learner-1"
-        if shutil.which("node"):  # the page's script, run on this status with a stand-in for the browser's DOM
-            shown = render_in_node(page, status)
+        assert history["global_eval"]["t"] == [3.0] and history["global_eval"]["loss"] == [2.75]
+        if shutil.which("node"):  # the page's script, run on them with a stand-in for the browser's DOM
+            shown = render_in_node(page, status, history)
             assert '<td>a</td><td class="live">live</td>' in shown["learners"]
-            assert shown["versions"].count("<rect") == 2 and "<path" in shown["participation"]
-            assert "<path" in shown["loss"] and "healthy" in shown["health"] and shown["error"] == ""
-            assert "global (held-out)" in shown["loss"] and "<b>2.750</b><span>global held-out loss</span>" in shown["figures"]
+            assert shown["versions"].count("<rect") == 2
+            contributors = [c for c in history["samples"]["contributors"] if c is not None]
+            assert f'data-points="{len(contributors)}"' in shown["participation"]
+            assert "healthy" in shown["health"] and shown["error"] == ""
+            points = len(history["learners"]["a"]["t"])  # each chart draws the syncer's history
+            first = js(history["learners"]["a"]["t"][0])
+            assert f'data-series="a" data-points="{points}" data-first="{first}"' in shown["loss"]
+            assert f'data-series="a" data-points="{points}"' in shown["throughput"]
+            assert 'data-series="global model (held-out)" data-points="1" data-first="3"' in shown["loss"]
+            for name in ("tokens trained", "tokens merged"):
+                assert f'data-series="{name}" data-points="{len(history["samples"]["t"])}"' in shown["tokens"]
+            assert "global model (held-out)" in shown["loss-legend"] and ">a</span>" in shown["loss-legend"]
+            assert "<b>2.750</b><span>global held-out loss</span>" in shown["figures"]
             assert "<td>kill</td><td>learner-1</td><td>20.0 s</td>" in shown["faults"]
         learner.close()
     finally:
@@ -113,12 +138,14 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
                           ServerOptions(listen="127.0.0.1:0", http="127.0.0.1:0"))
     try:
         port = syncer.status["http_port"]
-        learner = trained_learner(syncer.address, "browser-test")
+        learner = trained_learner(syncer.address, "browser-test", pause=0.3)  # steps over several samples
         learner.finish()  # nothing moves any more: the page and /status must agree
         annotations.post(f"127.0.0.1:{port}", {"kind": "fault", "event": "end", "fault": "hang", "target": "syncer",
                                                "seconds": 9.5, "duration": 3.0})
         wait_for(lambda: [x["state"] for x in json.loads(get(port, "/status")[1])["learners"]] == ["left"], timeout=20)
-        status = json.loads(get(port, "/status")[1])
+        wait_for(lambda: len(json.loads(get(port, "/history")[1])["learners"]["browser-test"]["t"]) >= 2, timeout=20)
+        status, history = json.loads(get(port, "/status")[1]), json.loads(get(port, "/history")[1])
+        opened = status["uptime_seconds"]  # the page opens after this: what it draws before it, /history gave it
         dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
                               f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", f"http://127.0.0.1:{port}/"],
                              capture_output=True, text=True, timeout=120).stdout
@@ -126,5 +153,14 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
         assert f"<b>{status['rounds']:,}</b><span>rounds</span>" in dom
         assert dom.count("<rect") >= 2 and '<span id="error"></span>' in dom  # every poll succeeded
         assert "<td>end</td><td>hang</td><td>syncer</td>" in dom
+        loss = dom.split('id="loss"', 1)[1].split("</svg>", 1)[0]
+        drawn = re.search(r'data-series="browser-test" data-points="(\d+)" data-first="([\d.]+)" data-last="([\d.]+)"', loss)
+        assert drawn, loss
+        points, first, last = int(drawn[1]), float(drawn[2]), float(drawn[3])
+        assert points >= len(history["learners"]["browser-test"]["t"]) >= 2 and first < last <= opened
+        tokens = dom.split('id="tokens"', 1)[1].split("</svg>", 1)[0]
+        first_sample = re.search(r'data-series="tokens merged" data-points="\d+" data-first="([\d.]+)"', tokens)
+        assert first_sample and float(first_sample[1]) < 1.5 < opened  # from the syncer's start, before the page
+        assert "browser-test</span>" in dom.split('id="loss-legend"', 1)[1].split("</div>", 1)[0]  # below the chart
     finally:
         syncer.stop()

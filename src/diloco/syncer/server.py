@@ -1,4 +1,4 @@
-"""Running a syncer: the gRPC server, an HTTP endpoint for /status and /metrics, snapshots, clean shutdown."""
+"""Running a syncer: the gRPC server, an HTTP endpoint for /status, /history and /metrics, snapshots, clean shutdown."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import signal
 import tempfile
@@ -25,6 +26,7 @@ from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer import initial_model
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.credentials import Credentials
+from diloco.syncer.history import History
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
 from diloco.syncer.store import StateStore
@@ -43,7 +45,7 @@ class ServerOptions:
     listen: str = "127.0.0.1:50051"
     """gRPC address; port 0 picks a free port (written to out/ready.json)."""
     http: str | None = "127.0.0.1:0"
-    """Address of the HTTP /status and /metrics endpoint; None disables it."""
+    """Address of the HTTP endpoint (the dashboard, /status, /history, /metrics); None disables it."""
     out: Path | None = None
     """Directory for ready.json, snapshots, the final model and syncer.json; None writes nothing."""
     token: str | None = None
@@ -195,7 +197,8 @@ def _write_final(out: Path, name: str, write, fallback: list[Path]) -> Path | No
 
 
 def dashboard_html() -> bytes:
-    """The live dashboard: one self-contained page that polls /status (no build step, nothing fetched elsewhere)."""
+    """The live dashboard: one self-contained page that polls /status and /history (no build step, nothing fetched
+    elsewhere)."""
     return resources.files("diloco.syncer").joinpath("dashboard.html").read_bytes()
 
 
@@ -227,8 +230,22 @@ def probe(path: str, status: dict, beat: dict) -> tuple[int, bytes] | None:
     return None
 
 
+def history_query(query: str) -> float | None:
+    """`since` of a /history request's query string (None: the whole history); ValueError if it is not a finite
+    number."""
+    for part in query.split("&"):
+        key, _, value = part.partition("=")
+        if key == "since" and value != "":
+            since = float(value)
+            if not math.isfinite(since):
+                raise ValueError("not finite")
+            return since
+    return None
+
+
 def _http_server(address: str, service: SyncerService, status: dict, tokens: list[str],
-                 annotations: Annotations | None = None, beat: dict | None = None) -> ThreadingHTTPServer:
+                 annotations: Annotations | None = None, beat: dict | None = None,
+                 history: History | None = None) -> ThreadingHTTPServer:
     host, port = address.rsplit(":", 1)
 
     class Handler(BaseHTTPRequestHandler):
@@ -270,21 +287,29 @@ def _http_server(address: str, service: SyncerService, status: dict, tokens: lis
             if not http_authorized(self.client_address[0], self.headers.get("Authorization"), tokens):
                 self.send_response(401)
                 self.send_header("WWW-Authenticate", "Bearer")
-                body = b"beyond loopback /status and /metrics need Authorization: Bearer <--status-token or --token>\n"
+                body = (b"beyond loopback /status, /history and /metrics need Authorization: Bearer <--status-token or "
+                        b"--token>\n")
                 self.send_header("Content-Type", "text/plain")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
                 return
-            path = self.path.split("?", 1)[0]
+            path, _, query = self.path.partition("?")
             if path.startswith("/metrics"):
                 body, kind = service.metrics.exposition(), "text/plain; version=0.0.4"
             elif path.startswith("/status"):
                 body, kind = status_json(status), "application/json"
+            elif path == "/history" and history is not None:
+                try:
+                    since = history_query(query)
+                except ValueError:
+                    self._reply(400, b"/history?since=SECONDS: a number (the `now` of a previous answer)\n")
+                    return
+                body, kind = status_json(history.json(since)), "application/json"
             elif path in ("/", "/dashboard"):
                 body, kind = dashboard_html(), "text/html; charset=utf-8"
             else:
-                self.send_error(404, "try / (the dashboard), /status or /metrics")
+                self.send_error(404, "try / (the dashboard), /status, /history or /metrics")
                 return
             self.send_response(200)
             self.send_header("Content-Type", kind)
@@ -350,8 +375,9 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     status: dict = {}
     service.annotations = Annotations(tape=core.tape)
     beat: dict = {}
+    history = History()  # what the dashboard's charts draw, for the whole run (/history)
     http = (_http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""], service.annotations,
-                         beat) if opts.http else None)
+                         beat, history) if opts.http else None)
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
     log.info("syncer listening on %s (gRPC port %d%s, HTTP %s), mode %s", opts.listen, port,
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)
@@ -371,6 +397,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
                           wire_parts=metrics.wire_by_part(), **ready,
                           **health(core))
             metrics.observe_status(status)
+            history.observe(status)
             progress.maybe_log(status)
             beat["at"] = time.monotonic()  # /healthz: the loop turns
             if on_status:
