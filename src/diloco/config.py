@@ -17,7 +17,7 @@ PRESETS = ("default", "paper")
 PAPER = dict(
     keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
     delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, clip_norm_ratio=0.0,
-    max_counter_ratio=0.0, max_round_ratio=0.0, outer_lr=0.7,
+    max_counter_ratio=0.0, max_round_ratio=0.0, direction_floor=0.0, outer_lr=0.7,
     outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
     grace=None, grace_gamma=0.5, grace_cap_steps=1.0, rda_mean_fallback=True,
     bf16_residual=False, wire_compression="none",
@@ -136,6 +136,14 @@ class SyncConfig:
     norm per step that other credentials' accepted contributions of the fragment typically have (a prior from the
     fragment's own norm joins that reference while fewer than two others have any): a hostile push moves the model
     at most as far as this many honest ones, and colluding ids of one credential do not move the reference."""
+    direction_floor: float = 0.0
+    """Ours, the direction test (0: off). Merge a parameter contribution with its Δ and weight scaled by
+    c / (this × typical), at most 1 and at least 0: c is the median of its credential's recent cosines with the
+    fragment's recent published steps (a decaying sum of them, kept in bf16: half a model more syncer memory), this
+    one included, and typical the median over other credentials of theirs. A learner pushing sign-flipped (c < 0)
+    or random (c ≈ 0) outer gradients is merged with (near) no weight; an honest step that points back now and
+    then keeps its weight. Everything passes until a round of the fragment was published and while the others'
+    typical cosine is not positive (syncer/direction_guard.py)."""
     max_counter_ratio: float = 4.0
     """Ours (0: off). Count a contribution's declared tokens per step as at most this multiple of what other
     credentials' accepted contributions typically declare, and its tokens as at most this multiple of their H
@@ -240,6 +248,8 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
         value = getattr(cfg, name)
         if not (0 <= value < math.inf) or 0 < value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be 0 (off) or a finite number ≥ 1, got {value}")
+    if not 0 <= cfg.direction_floor <= 1:
+        raise ValueError(f"--direction-floor must be 0 (off) or in (0, 1], got {cfg.direction_floor}")
     if not 0 <= cfg.norm_ceiling < math.inf:
         raise ValueError(f"norm ceiling must be a non-negative number, got {cfg.norm_ceiling}")
     if cfg.grace_expect_steps < 0:

@@ -19,7 +19,7 @@ WIRE_COMPRESSIONS = static.constant("diloco.config", "WIRE_COMPRESSIONS")
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
-              "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds",
+              "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds", "direction_floor",
               "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual", "wire_compression",
               "clip_norm_ratio", "max_counter_ratio", "max_round_ratio")
 
@@ -109,6 +109,10 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--clip-norm-ratio", type=float, metavar="RATIO",
                    help="robust merge: scale a contribution down to this multiple of the norm per step other "
                         "credentials' contributions typically have (0: off)")
+    g.add_argument("--direction-floor", type=float, metavar="FRACTION",
+                   help="direction test: merge a contribution scaled by its credential's recent cosine with the "
+                        "fragment's recent steps over this fraction of other credentials' typical one, at most 1, 0 "
+                        "at or below cosine 0 (0: off)")
     g.add_argument("--max-counter-ratio", type=float, metavar="RATIO",
                    help="count declared tokens and tokens per step as at most this multiple of other credentials' "
                         "typical ones, in weights, shares and the budget (4; 0: off)")

@@ -34,6 +34,7 @@ from diloco.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import downlink, persistence, phase, rounds
 from diloco.syncer.buffers import Buffers
+from diloco.syncer.direction_guard import DirectionGuard
 from diloco.syncer.downlink import Publication
 from diloco.syncer.fragment_state import Contribution, FragmentState
 from diloco.syncer.norm_guard import NormGuard
@@ -174,7 +175,8 @@ class SyncerCore:
             return FragmentState(fragment, torch.zeros(0), torch.zeros(0))
         needed = fragment.role == "params" and self.cfg.keeps_outer_state
         momentum = torch.zeros_like(flat) if needed else torch.zeros(0)
-        return FragmentState(fragment, flat.clone(), momentum, guard=self.norm_guard(fragment))
+        return FragmentState(fragment, flat.clone(), momentum, guard=self.norm_guard(fragment),
+                             direction=self.direction_guard(fragment))
 
     @property
     def owned(self) -> list["FragmentState"]:
@@ -186,6 +188,12 @@ class SyncerCore:
             return None
         return NormGuard(fragment.numel, self.cfg.norm_ceiling, self.cfg.max_norm_ratio, self.cfg.sync_every,
                          self.cfg.clip_norm_ratio)
+
+    def direction_guard(self, fragment: Fragment) -> DirectionGuard | None:
+        """The direction test for a parameter fragment (`SyncConfig.direction_floor`), None when it is off."""
+        if fragment.role != "params" or not self.cfg.direction_floor:
+            return None
+        return DirectionGuard(fragment.numel, self.cfg.direction_floor)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The global model as its whole state_dict: every tensor in its own dtype, in model order, an alias (a tied
@@ -459,6 +467,17 @@ class SyncerCore:
             factor = bound / per_step
             delta.mul_(factor)
             norms, per_step, payload = [n * factor for n in norms], bound, None
+        direction, cosine = 1.0, None
+        if fs.direction is not None:
+            # the direction test: Δ against the fragment's recent steps, merged scaled down with its weight when it
+            # goes elsewhere (syncer/direction_guard.py); the norm bounds above keep its size as sent
+            norm = math.sqrt(sum(n * n for n in norms)) if norms is not None else torch.linalg.vector_norm(delta).item()
+            cosine = fs.direction.cosine(delta, norm)
+            with self.lock:
+                direction = fs.direction.judge(credential, cosine)
+            if direction < 1.0:
+                delta.mul_(direction)
+                norms, payload = None if norms is None else [n * direction for n in norms], None
         with self.lock:
             if fs.guard:
                 fs.guard.accept(credential, per_step)
@@ -482,7 +501,8 @@ class SyncerCore:
         if fs.merging is None:
             fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers, self.cfg.rda_mean_fallback)
         # the version cannot change while the round is open, so the weight is the one the round closes with
-        weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay)
+        c.direction, c.cosine = direction, cosine
+        weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay) * direction
         try:
             fs.merging.add(delta, weight, norms, payload)
         except (ArithmeticError, RuntimeError, ValueError) as e:

@@ -11,6 +11,7 @@ import torch
 
 from diloco.fragments import Fragment
 from diloco.merge import StreamingMerge
+from diloco.syncer.direction_guard import DirectionGuard
 from diloco.syncer.norm_guard import NormGuard
 
 
@@ -27,6 +28,10 @@ class Contribution:
     counted: tuple[float, float] | None = None
     """(tokens, steps) it counts for in weights, shares and the budget: at most H steps' worth (`counted_as`),
     bounded against other credentials' typical counters (`Counters.plausible`); None: as declared."""
+    direction: float = 1.0
+    """The direction test's factor (`SyncConfig.direction_floor`): its Δ and weight were merged times this."""
+    cosine: float | None = None
+    """Its Δ's cosine with the fragment's recent steps, when the direction test measured one."""
     bounded: bool = False
     """Whether those bounds (or a zero Δ) lowered `counted` below what `counted_as` makes of its counters."""
     """Clock time the push was accepted (the tape records it: a replay can ask when a round could have closed)."""
@@ -44,6 +49,8 @@ class FragmentState:
     pending_share: float = 0.0
     guard: NormGuard | None = None
     """The outlier bounds contributions are judged against (None: the fragment is not a parameter fragment)."""
+    direction: DirectionGuard | None = None
+    """The direction test contributions are judged by (None: off, or not a parameter fragment)."""
     norm_at: tuple[int, float] | None = None
     """(version, ‖P_version‖), computed once per version for the outlier ceiling."""
     pending: dict[str, Contribution] = field(default_factory=dict)

@@ -22,6 +22,8 @@ def core_parts(core) -> dict[str, int]:
     for fs in list(core.fragments):
         parts["model"] += _nbytes(fs.theta) + _nbytes(fs.published) + _nbytes(fs.residual)
         parts["outer_state"] += _nbytes(fs.momentum) + _nbytes(fs.pending_delta)
+        if fs.direction is not None:  # the direction test's reference (`SyncConfig.direction_floor`)
+            parts["outer_state"] += _nbytes(fs.direction.reference)
         parts["changes"] += sum(len(change.data) for _, change, _ in list(fs.changes))
         merging = fs.merging
         if merging is not None:

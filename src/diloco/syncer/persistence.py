@@ -182,7 +182,8 @@ def restore(core) -> bool:
         momentum, pending = t["momentum"], t["pending_delta"]
         if fragment.role == "params" and not stored_cfg.keeps_outer_state:  # neither written nor kept
             momentum, pending = EMPTY, None
-        fs = FragmentState(fragment, t["theta"], momentum, led["versions"][i], guard=core.norm_guard(fragment))
+        fs = FragmentState(fragment, t["theta"], momentum, led["versions"][i], guard=core.norm_guard(fragment),
+                           direction=core.direction_guard(fragment))
         fs.pending_delta, fs.pending_share = pending, led["pending_share"][i]
         core.fragments.append(fs)
     core.bound_buffers()

@@ -66,6 +66,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         fs.round_steps.append(merged_step)
     if share < 1.0:
         delta.mul_(share)
+    if fs.direction is not None and merged_step > 0:
+        fs.direction.published(delta)  # the step this round takes: the direction test's reference
     pending_share = fs.pending_share
     # buffers take their token-weighted mean, Θ − mean(Θ_base − b_m), with no outer optimizer; with μ = 0
     # Nesterov, delayed or not, is Θ ← Θ − η·Δ
@@ -118,7 +120,10 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                                    "staleness": fs.version - 1 - c.base_version,
                                    "counted": [round(x, 6) for x in counted_c],
                                    **({"bounded": True} if c.bounded else {}),
-                                   "weight": token_weight(*counted_c, fs.version - 1 - c.base_version,
+                                   # the direction test: the cosine it measured, and the factor when below 1
+                                   **({"cosine": round(c.cosine, 4)} if c.cosine is not None else {}),
+                                   **({"direction": c.direction} if c.direction < 1.0 else {}),
+                                   "weight": c.direction * token_weight(*counted_c, fs.version - 1 - c.base_version,
                                                           core.cfg.staleness_decay)}
                                   for c, counted_c in zip(contributions, counted)])
         core.recent_rounds.append(entry)
