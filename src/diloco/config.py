@@ -13,6 +13,8 @@ MODES = ("decoupled", "streaming", "diloco", "dp")
 WIRE_COMPRESSIONS = ("none", "zstd")
 """Values of `SyncConfig.wire_compression` (diloco.wire.compression)."""
 PRESETS = ("default", "paper")
+REPEAT_PUSHES = ("close", "replace")
+"""Values of `SyncConfig.repeat_push`."""
 
 PAPER = dict(
     keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
@@ -20,7 +22,7 @@ PAPER = dict(
     max_counter_ratio=0.0, max_round_ratio=0.0, direction_floor=0.0, outer_lr=0.7,
     outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
     grace=None, grace_gamma=0.5, grace_cap_steps=1.0, rda_mean_fallback=True,
-    bf16_residual=False, wire_compression="none",
+    bf16_residual=False, wire_compression="none", repeat_push="replace",
 )
 """The published algorithm (DESIGN §3) exactly: every mechanism of this project off, DiLoCo's outer η/μ, Θ sent
 back in fp32. The mode still sets P, K, τ, the codec and the merge rule."""
@@ -116,6 +118,15 @@ class SyncConfig:
     join and never merged either way."""
     staleness_decay: float = 0.0
     """λ: a contribution's weight is divided by (1 + λ·staleness)."""
+    repeat_push: str = "close"
+    """Ours when close (replace is the paper's, DESIGN §3.4). What a push does when the same learner's earlier push of
+    the fragment is still pending in an open round. close: that round is closed first, the earlier push merged in it
+    alone, and the new push opens the next round; a newer push that carries the earlier one's progress too (a Δ from
+    the same base, which the built-in learner never sends: it does not push a fragment whose result is still out)
+    then has that progress merged twice. replace: the new push takes the earlier one's place in the round, whose
+    opening and quorum times stay; it counts with its own counters when it has the same session and base version and
+    counters at least as large (they cover the earlier push's progress), else with the sum of both. Every open round
+    then keeps each contributor's decoded Δ (the fragment's fp32 size each) to rebuild its sums from."""
     max_staleness: int = 16
     """Contributions staler than this many versions are refused and the learner resynchronises."""
     max_steps_ratio: float = 0.0
@@ -222,6 +233,8 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
     if cfg.publish_to == "live" and cfg.down_codec != "fp32":
         raise ValueError(f"--publish-to live needs --down-codec fp32 (got {cfg.down_codec}): a learner with a push "
                          f"in flight must not see the values that push is computed from change under it")
+    if cfg.repeat_push not in REPEAT_PUSHES:
+        raise ValueError(f"--repeat-push must be one of {', '.join(REPEAT_PUSHES)}, got {cfg.repeat_push!r}")
     if cfg.preset not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose {' or '.join(PRESETS)}")
     if cfg.fragments < 1:

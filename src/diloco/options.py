@@ -15,13 +15,14 @@ CODECS = static.constant("diloco.codec", "CODECS")
 MODES = static.constant("diloco.config", "MODES")
 PRESETS = static.constant("diloco.config", "PRESETS")
 WIRE_COMPRESSIONS = static.constant("diloco.config", "WIRE_COMPRESSIONS")
+REPEAT_PUSHES = static.constant("diloco.config", "REPEAT_PUSHES")
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds", "direction_floor",
               "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual", "wire_compression",
-              "clip_norm_ratio", "max_counter_ratio", "max_round_ratio")
+              "clip_norm_ratio", "max_counter_ratio", "max_round_ratio", "repeat_push")
 
 
 class UserError(Exception):
@@ -99,6 +100,10 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--publish-to", choices=("contributors", "live"),
                    help="who receives a merged fragment: the round's contributors (default preset) or every live "
                         "learner, which overwrites its progress on it (paper; needs --down-codec fp32)")
+    g.add_argument("--repeat-push", choices=REPEAT_PUSHES,
+                   help="a learner's push while its earlier push of the fragment is pending: close that round first "
+                        "(default preset) or replace the earlier push in it, counters summed where the newer does not "
+                        "cover them (paper; keeps each contributor's fp32 Δ while its round is open)")
     g.add_argument("--staleness-decay", type=float, help="λ: weight / (1 + λ·staleness) (0)")
     g.add_argument("--max-norm-ratio", type=float,
                    help="refuse contributions whose norm per step is over this multiple of the fragment's recent "

@@ -426,6 +426,11 @@ class SyncerCore:
             pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
             if pending is not None and (pending.session, pending.seq) == (session, seq):
                 return PushResult(True, "duplicate push ignored", duplicate=True)
+            if self.cfg.repeat_push == "replace" and pending is not None and pending.session == session \
+                    and seq < pending.seq:
+                # a re-sent push that a newer one of its session replaced in the round: taking it back in would count
+                # the progress both carry twice
+                return PushResult(True, "superseded push ignored", duplicate=True)
             arrived = self.clock()
         try:
             delta = self._validate(fragment, steps, tokens, payload)  # decodes: no lock
@@ -453,6 +458,12 @@ class SyncerCore:
             if outlier is not None:
                 return self._refuse(record, delta, outlier.split(":")[0], f"{outlier} of fragment {fragment}")
             bound = fs.guard.clip_bound(credential, fragment_norm) if fs.guard else None
+            # with repeat_push replace, a push from a learner already in the round takes its place: counted for its
+            # own counters plus those of the replaced push they do not cover (rounds.earlier_counters), bounded below
+            # like any push's; the guard and the clip above judged this push's Δ by its own steps alone
+            older = fs.pending.get(learner_id) if self.cfg.repeat_push == "replace" else None
+            earlier = rounds.earlier_counters(older, session, base_version, steps, tokens) if older else (0, 0)
+            steps, tokens = steps + earlier[0], tokens + earlier[1]
             declared = counted = rounds.counted_as(tokens, steps, self.cfg)
             carried = float(tokens)
             free_ride = bool(self.cfg.max_counter_ratio and norms is not None and not any(norms))
@@ -483,8 +494,10 @@ class SyncerCore:
                 fs.guard.accept(credential, per_step)
             if params and not free_ride:
                 self.counters.accept(credential, *counted)
-                # every token trains every fragment: a shard counts its own fragments' share of each
-                record.tokens_accepted += carried / max(1, sum(1 for f in self.owned if f.fragment.role == "params"))
+                # every token trains every fragment: a shard counts its own fragments' share of each; a replacement
+                # adds only what the push it replaces did not
+                added = max(0.0, carried - (older.carried if older else 0.0))
+                record.tokens_accepted += added / max(1, sum(1 for f in self.owned if f.fragment.role == "params"))
                 record.last_push = (arrived, fragment)  # its phase in the push schedule, for predicting the next
                 record.step_tokens = counted[0] / counted[1] if counted[1] else 0.0
             record.pushes += 1
@@ -492,32 +505,68 @@ class SyncerCore:
             if transfer_seconds:
                 self.sync_avg.update(transfer_seconds)
             repeated = learner_id in fs.pending
-        if repeated:
-            # its earlier contribution, already folded into the sums, is merged in a round of its own (no Δ is kept
-            # to take it out again; docs/architecture.md, Syncer memory)
+        if repeated and older is None:
+            # repeat_push close: its earlier contribution, already folded into the sums, is merged in a round of its
+            # own (no Δ is kept to take it out again; docs/architecture.md, Syncer memory)
             self._outbox.extend(rounds.close(self, fragment, fs, {"reason": "repeat"}))
         c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, arrived, counted,
-                         counted != declared)
+                         bounded=counted != declared, earlier=earlier,
+                         carried=max(carried if params and not free_ride else 0.0, older.carried if older else 0.0))
+        if older is not None:
+            c.replaced = older.replaced + 1
+            c.since = older.since if older.since is not None else older.arrived_at
+            self.record_event("replaced", learner=learner_id, fragment=fragment, seq=seq, replaced_seq=older.seq,
+                              counters="own" if earlier == (0, 0) else "sum", steps=steps, tokens=tokens)
         if fs.merging is None:
             fs.merging = StreamingMerge(segments(fs.fragment), method, self.buffers, self.cfg.rda_mean_fallback)
         # the version cannot change while the round is open, so the weight is the one the round closes with
         c.direction, c.cosine = direction, cosine
         weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay) * direction
         try:
-            fs.merging.add(delta, weight, norms, payload)
+            if self.cfg.repeat_push == "replace":
+                self._keep_and_fold(fs, method, learner_id, delta, weight, norms, rebuild=older is not None)
+            else:
+                fs.merging.add(delta, weight, norms, payload)
         except (ArithmeticError, RuntimeError, ValueError) as e:
             # the sums may be half updated: the round is dropped when it closes (rounds.close), never published
             fs.merging.failed = f"{type(e).__name__}: {e}"
             with self.lock:
                 fs.pending[learner_id] = c
             return PushResult(False, f"merge error: {fs.merging.failed}; its round is dropped", resync=True)
-        if fs.merging.sum is not delta:  # folded in, or kept encoded as the round's first: free for the next push
-            self.buffers.give(delta)
+        if self.cfg.repeat_push != "replace" and fs.merging.sum is not delta:
+            self.buffers.give(delta)  # folded in, or kept encoded as the round's first: free for the next push
         with self.lock:
             fs.pending[learner_id] = c
             if fs.opened_at is None:
                 fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
         return PushResult(True)
+
+    def _keep_and_fold(self, fs: FragmentState, method: str, learner_id: str, delta: torch.Tensor, weight: float,
+                       norms: list[float] | None, rebuild: bool) -> None:
+        """repeat_push replace: keep `delta` as the learner's pending Δ (replacing its earlier one, whose buffer goes
+        back) and fold a copy of it into the round's sums; `rebuild`: it replaces an earlier push, so the sums are
+        made anew from every kept Δ (folding the earlier one out would subtract float sums)."""
+        earlier = fs.kept.get(learner_id)
+        fs.kept[learner_id] = (delta, weight, norms)
+        if earlier is not None:
+            self.buffers.give(earlier[0])
+        if not rebuild:
+            self._fold_copy(fs.merging, delta, weight, norms)
+            return
+        old = fs.merging
+        fs.merging = StreamingMerge(old.segments, method, self.buffers, old.mean_fallback)
+        self.buffers.give(old.sum)  # the running sums, made of copies (never a kept Δ)
+        self.buffers.give(old.units)
+        for kept, w, n in fs.kept.values():
+            self._fold_copy(fs.merging, kept, w, n)
+
+    def _fold_copy(self, merging: StreamingMerge, delta: torch.Tensor, weight: float, norms: list[float] | None) -> None:
+        """Fold a copy of a kept Δ into `merging`, which may take the copy over as its running sum."""
+        work = self.buffers.take(delta.numel())
+        work.copy_(delta)
+        merging.add(work, weight, norms)
+        if merging.sum is not work:
+            self.buffers.give(work)
 
     def _refuse(self, record: LearnerRecord, delta: torch.Tensor, reason: str, message: str) -> PushResult:
         """Refuse a decoded contribution (the lock held): its buffer back, the refusal counted, a resync."""

@@ -35,6 +35,15 @@ class Contribution:
     bounded: bool = False
     """Whether those bounds (or a zero Δ) lowered `counted` below what `counted_as` makes of its counters."""
     """Clock time the push was accepted (the tape records it: a replay can ask when a round could have closed)."""
+    earlier: tuple[int, int] = (0, 0)
+    """(steps, tokens) of the earlier pushes it replaced (`SyncConfig.repeat_push` replace) that its own counters
+    do not cover (`rounds.earlier_counters`); `steps` and `tokens` include them."""
+    replaced: int = 0
+    """Earlier pushes of its learner it replaced in this round."""
+    since: float | None = None
+    """With `replaced`: when the first of them arrived, since when its learner has been in the round."""
+    carried: float = 0.0
+    """Tokens it added to its learner's accepted tokens (the budget's bound): a replacement adds only the rest."""
 
 
 @dataclass
@@ -55,7 +64,11 @@ class FragmentState:
     """(version, ‖P_version‖), computed once per version for the outlier ceiling."""
     pending: dict[str, Contribution] = field(default_factory=dict)
     merging: StreamingMerge | None = None
-    """The open round's running sums: pending contributions' Δ are folded in as they arrive, never stored."""
+    """The open round's running sums: pending contributions' Δ are folded in as they arrive, never stored (but in
+    `kept`)."""
+    kept: dict[str, tuple[torch.Tensor, float, list[float] | None]] = field(default_factory=dict)
+    """With `SyncConfig.repeat_push` replace only: each pending contribution's decoded Δ (fp32, after any clip),
+    weight and tensor norms, by learner, to rebuild `merging` from when one is replaced. Empty otherwise."""
     opened_at: float | None = None
     quorum_at: float | None = None
     at_quorum: dict | None = None

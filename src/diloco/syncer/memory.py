@@ -29,6 +29,7 @@ def core_parts(core) -> dict[str, int]:
         if merging is not None:
             first = merging._first_payload
             parts["open_rounds"] += _nbytes(merging.sum) + _nbytes(merging.units) + (0 if first is None else len(first.data))
+        parts["open_rounds"] += sum(_nbytes(kept[0]) for kept in list(fs.kept.values()))  # --repeat-push replace
     parts["reused_buffers"] = core.buffers.kept_bytes
     return parts
 

@@ -3,8 +3,8 @@ see where this code would decide differently from the syncer that wrote the tape
 
 Every `round` event of the tape carries the policy's inputs at its close (contributors, open and quorum times,
 live learners, moving averages, predicted pushes) and each contributor's counters and weight; the run's
-configuration is in the `start` event. Closes forced at shutdown or by a learner's second push are not policy
-decisions and are only counted.
+configuration is in the `start` event. Closes forced at shutdown or by a learner's second push (`--repeat-push
+close`) are not policy decisions and are only counted.
 
 Each contributor's arrival time is recorded too, so the replay also asks whether this code would have closed a
 round *earlier*: it evaluates the policy at every arrival and at every deadline the policy names in between, with
@@ -37,7 +37,8 @@ SLACK = 0.5
 def earliest_close(contributors: list[dict], decision: dict, cfg: SyncConfig) -> tuple[float, int, str] | None:
     """(time, contributors then, reason) of the first moment this code's policy closes the round, from the
     contributors' arrival times; None when that is not before the recorded close, or arrivals were not recorded."""
-    arrivals = sorted((c["at"], c["learner"]) for c in contributors if c.get("at") is not None)
+    # a contributor that replaced earlier pushes of its learner has been in the round since the first of them
+    arrivals = sorted((c.get("since", c["at"]), c["learner"]) for c in contributors if c.get("at") is not None)
     if not arrivals or len(arrivals) != len(contributors):
         return None
     policy, live = cfg.policy(), frozenset(decision["live"])

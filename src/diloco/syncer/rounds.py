@@ -31,6 +31,28 @@ def counted_as(tokens: int, steps: int, cfg: SyncConfig) -> tuple[float, float]:
     return tokens * cfg.sync_every / steps, float(cfg.sync_every)
 
 
+def earlier_counters(older, session: str, base_version: int, steps: int, tokens: int) -> tuple[int, int]:
+    """(steps, tokens) of a pending contribution `older` that a newer push of the same learner, replacing it
+    (`SyncConfig.repeat_push` replace), does not cover: the newer one counts for its own counters plus these.
+
+    A learner's counters run from its last apply, like its Δ = base − θ. A newer push from the same session and base
+    version whose counters are at least those of the push it replaces covers that push's progress: nothing is added
+    (summing would count it twice). Otherwise (another session, another base, smaller counters) the learner began
+    counting again and the older counters are kept beside the newer ones: DESIGN §3.4's sum. Either way the total
+    is then bounded like any push's (`counted_as`, `Counters.plausible`)."""
+    own_steps, own_tokens = older.steps - older.earlier[0], older.tokens - older.earlier[1]
+    if (session, base_version) == (older.session, older.base_version) and steps >= own_steps and tokens >= own_tokens:
+        return older.earlier
+    return older.steps, older.tokens
+
+
+def release_kept(core, fs) -> None:
+    """A closed round's kept Δs (`FragmentState.kept`) back to the core's buffers."""
+    for delta, _, _ in fs.kept.values():
+        core.buffers.give(delta)
+    fs.kept = {}
+
+
 def close(core, index: int, fs, decision: dict | None = None) -> list[Publication]:
     """Merge the round of fragment `index` of `core` (a SyncerCore), take the outer step, persist, and return the
     publications; `decision` (what the policy decided on) goes on the tape. Worker thread, called without the
@@ -45,6 +67,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         share = (round_share(core, fs, contributions, [t for t, _ in counted])
                  if core.cfg.scale_partial_rounds and params else 1.0)
     merging, fs.merging = fs.merging, None
+    release_kept(core, fs)
     # ---- the arithmetic, without the lock
     delta = merging.result() if merging.failed is None else None
     vanished = merging.vanished
@@ -120,6 +143,9 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                                    "staleness": fs.version - 1 - c.base_version,
                                    "counted": [round(x, 6) for x in counted_c],
                                    **({"bounded": True} if c.bounded else {}),
+                                   # in for `replaced` earlier pushes of its learner since `since`: it alone counts
+                                   **({"replaced": c.replaced, "since": round(c.since - core.started_at, 6)}
+                                      if c.replaced and c.since is not None else {}),
                                    # the direction test: the cosine it measured, and the factor when below 1
                                    **({"cosine": round(c.cosine, 4)} if c.cosine is not None else {}),
                                    **({"direction": c.direction} if c.direction < 1.0 else {}),
@@ -208,6 +234,7 @@ def drop(core, index: int, fs, contributions: list, reason: str, decision: dict 
     """Close a round without publishing it: Θ, the outer state and the version stay as they were, the
     contributions count as merged (re-sends are duplicates) but add no tokens, and each contributor is sent what
     takes it to the last good values."""
+    release_kept(core, fs)
     with core.lock:
         fs.pending, fs.opened_at, fs.quorum_at, fs.at_quorum = {}, None, None, None
         for c in contributions:
