@@ -1,26 +1,46 @@
 """`diloco run --chaos`: real OS-level faults against a local cluster; training goes on and nothing is lost."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import pytest
 
 from diloco.procs import die_with_parent
+from liveness import wait_for
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = pytest.mark.timeout(600)
 
 
-def chaos_run(tmp_path, scenario, *flags, duration=18):
+def chaos_run(tmp_path, scenario, *flags, duration=18, until=None):
+    """`diloco run --chaos` to its --duration, or with `until(out)`: until that holds, then stopped by SIGTERM
+    (which still writes the report), so that a slow machine gets the time it needs."""
     out = tmp_path / "run"
-    # on a timeout subprocess.run SIGKILLs the run, and the run's processes die with it (diloco.procs); the run
-    # itself dies with this test process
-    proc = subprocess.run([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "3", "--duration",
-                           str(duration), "--chaos", scenario, "--json", "--out", str(out), *flags],
-                          capture_output=True, text=True, timeout=180, preexec_fn=die_with_parent())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), out
+    cmd = [sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "3", "--duration",
+           str(duration if until is None else 600), "--chaos", scenario, "--json", "--out", str(out), *flags]
+    # the run's processes die with it (diloco.procs); the run itself dies with this test process
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent())
+    try:
+        if until is not None:
+            wait_for(lambda: until(out) or proc.poll() is not None, timeout=300, period=0.5)
+            (out / "stopped_at").write_text(str(time.time()))  # what follows is the run's end, not its training
+            proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == (0 if until is None else 130), stderr[-3000:]
+    return json.loads(stdout), out
+
+
+def metric_lines(out, learner):
+    path = out / "metrics" / f"{learner}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
 def test_killed_learner_restarts_under_its_id_and_trains_again(tmp_path):
@@ -74,24 +94,33 @@ def test_synchronous_modes_go_on_without_a_killed_learner(tmp_path, mode):
     scenario = tmp_path / "kill.json"
     scenario.write_text(json.dumps([{"at": killed_at, "kind": "kill", "target": "learner-1", "duration": down}]))
     # long enough after the restart for the killed learner to start, rejoin and finish on a busy machine
+
+    def back_at(out) -> float:
+        """When learner-1's second life took its first step (inf before)."""
+        killed = metric_lines(out, "learner-1")
+        lives = [i for i, x in enumerate(killed) if x["step"] == 1]
+        return killed[lives[1]]["t"] if len(lives) > 1 else float("inf")
+
+    def trained_together_after_the_return(out) -> bool:
+        back = back_at(out)
+        return back < float("inf") and all(any(x["t"] >= back + 2.0 for x in metric_lines(out, lid))
+                                            for lid in ("learner-0", "learner-1", "learner-2"))
+
     report, out = chaos_run(tmp_path, str(scenario), "--mode", mode, "--absent-after-seconds", str(absent_after),
-                            "--pace", "off", duration=28)
+                            "--pace", "off", until=trained_together_after_the_return)
     assert [f["kind"] for f in report["chaos"]["faults"]] == ["kill"]
-
-    def lines(learner):
-        return [json.loads(line) for line in (out / "metrics" / f"{learner}.jsonl").read_text().splitlines()]
-
-    killed = lines("learner-1")
+    killed = metric_lines(out, "learner-1")
     lives = [i for i, x in enumerate(killed) if x["step"] == 1]
-    down_from = killed[lives[1] - 1 if len(lives) > 1 else -1]["t"]  # its last step before the kill
-    back_at = killed[lives[1]]["t"] if len(lives) > 1 else float("inf")
+    down_from = killed[lives[1] - 1]["t"]  # its last step before the kill
+    back, stopped = back_at(out), float((out / "stopped_at").read_text())
     for survivor in ("learner-0", "learner-2"):
-        times = [x["t"] for x in lines(survivor)]
+        times = [x["t"] for x in metric_lines(out, survivor)]
+        before = [b - a for a, b in zip(times, times[1:]) if b < down_from]
         # steps that ended from the kill on, learner-1's return included: it rejoins in phase with the survivors
-        gaps = [b - a for a, b in zip(times, times[1:]) if b >= down_from]
-        assert any(down_from + absent_after + 2.0 <= t <= back_at for t in times), \
+        gaps = [b - a for a, b in zip(times, times[1:]) if down_from <= b <= stopped]
+        # beyond the absence timeout, a few of its own steps: how long a step takes on this machine right now
+        allowed = absent_after + max(2.0, 3 * sorted(before)[len(before) // 2])
+        assert any(down_from + absent_after + 2.0 <= t <= back for t in times), \
             f"{survivor} took no step once learner-1 was absent"
-        assert any(t >= back_at + 2.0 for t in times), f"{survivor} took no step after learner-1 rejoined"
-        assert max(gaps) <= absent_after + 2.0, f"{survivor} stalled {max(gaps):.1f} s after learner-1 was killed"
-    assert back_at < float("inf") and killed[-1]["t"] >= back_at + 2.0, "learner-1 did not train after rejoining"
+        assert max(gaps) <= allowed, f"{survivor} stalled {max(gaps):.1f} s (> {allowed:.1f}) after learner-1 was killed"
     assert report["final_eval_loss"] < report["initial_eval_loss"]
