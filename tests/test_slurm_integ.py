@@ -270,7 +270,12 @@ def test_islands_as_slurm_jobs_train_and_rejoin_after_a_crash_and_a_requeue(clus
     released_at, last_release = time.time(), [0.0]
 
     def released_and_rejoined():
-        # a release issued while the requeue is still settling can be dropped: repeat it while the job waits
+        # a release issued while the requeue is still settling can be dropped: repeat it while the job waits. Not
+        # in the requeue's own second: slurmd refuses a credential issued in the second its predecessor's was
+        # revoked ("Job credential revoked", and the job ends instead of starting), which SLURM's own two-minute
+        # hold of a requeued job avoids
+        if time.time() - released_at < 2.0:
+            return []
         if time.monotonic() - last_release[0] > 5 and cluster.job_state(jobs["a"]) == "PENDING":
             cluster.run("scontrol", "update", f"JobId={jobs['a']}", "StartTime=now")
             last_release[0] = time.monotonic()
