@@ -12,7 +12,7 @@ import pytest
 from diloco.procs import die_with_parent
 from liveness import wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 def chaos_run(tmp_path, scenario, *flags, duration=18, until=None):

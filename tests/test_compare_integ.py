@@ -8,7 +8,7 @@ import pytest
 
 from diloco.procs import die_with_parent
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 def test_every_mode_trains_the_same_tokens(tmp_path):

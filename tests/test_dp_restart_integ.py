@@ -42,6 +42,7 @@ class KillWorker1:
             self.killed_at.append(step)
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_the_job_from_its_last_checkpoint(tmp_path):
     plan, started = dp_plan(tmp_path / "run", 120), time.time()
     kill = KillWorker1(plan.out / "metrics", after=40, every=25)

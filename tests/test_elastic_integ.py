@@ -16,7 +16,7 @@ from diloco.train.loop import train_config_to_json
 
 from liveness import Watchdog, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
 def spawn(args, log):

@@ -36,6 +36,7 @@ def smoke(tmp_path_factory):
     return json.loads((out / "gpu_scale.json").read_text()), (out / "gpu_scale.md").read_text(), proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # the shared smoke run starts here; a loaded machine stretches its wall time
 def test_the_smoke_run_reports_every_part_with_finite_figures(smoke):
     report, _, _ = smoke
@@ -72,6 +73,7 @@ def test_the_smoke_run_reports_every_part_with_finite_figures(smoke):
     assert mixed["steps"][2] <= mixed["steps"][0] // 2 + 1 and mixed["steps"][0] == mixed["steps"][1]
 
 
+@pytest.mark.slow
 def test_the_table_has_a_row_per_run_and_the_log_shows_progress(smoke):
     report, table, stdout = smoke
     for heading in ("## Quality at equal tokens", "## Learner overhead", "## Mixed hardware", "smoke run"):

@@ -81,6 +81,7 @@ def test_two_accelerate_learners_learn_and_a_killed_one_rejoins_where_its_data_e
     assert loss < initial - 1.0, (initial, loss)
 
 
+@pytest.mark.slow
 def test_an_accelerate_job_of_two_processes_is_one_learner(tmp_path):
     with SyncerProcess(tmp_path / "syncer", "--fragments", "4", "--sync-every", "8") as syncer:
         with socket.socket() as s:

@@ -53,6 +53,7 @@ def checkpoints(folder: pathlib.Path) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m)
 
 
+@pytest.mark.slow
 def test_two_trainers_learn_one_model_and_a_killed_trainer_rejoins_from_its_checkpoint(tmp_path):
     initial = heldout_loss(tiny_gpt2())
     procs = []
@@ -103,6 +104,7 @@ def test_two_trainers_learn_one_model_and_a_killed_trainer_rejoins_from_its_chec
     assert loss < initial - 1.0, (initial, loss)  # ln(256) = 5.5 falls below 3.5 in these steps
 
 
+@pytest.mark.slow
 def test_a_torchrun_trainer_of_two_ranks_is_one_learner(tmp_path):
     with SyncerProcess(tmp_path / "syncer", "--fragments", "4", "--sync-every", "8") as syncer:
         with socket.socket() as s:

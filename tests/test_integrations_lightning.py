@@ -42,6 +42,7 @@ def saved_steps(folder: pathlib.Path) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m)
 
 
+@pytest.mark.slow
 def test_a_killed_lightning_learner_rejoins_from_its_checkpoint_beside_another(tmp_path):
     torch.set_num_threads(1)
     initial = heldout_loss(tiny_gpt2())
@@ -88,6 +89,7 @@ def test_a_killed_lightning_learner_rejoins_from_its_checkpoint_beside_another(t
     assert loss < initial - 1.0, (initial, loss)
 
 
+@pytest.mark.slow
 def test_a_ddp_trainer_of_two_ranks_is_one_learner(tmp_path):
     with SyncerProcess(tmp_path / "syncer", "--fragments", "4", "--sync-every", "8") as syncer:
         proc = worker(syncer, "island", tmp_path, "--steps", "24", "--devices", "2")  # strategy="ddp", 2 CPU ranks

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -68,6 +69,7 @@ def plain_learner(example, address: str, steps: int) -> Learner:
     return learner
 
 
+@pytest.mark.slow
 def test_two_ddp_islands_and_a_plain_learner_train_one_model(tmp_path):
     example = load(ROOT / "examples" / "torchrun_ddp.py", "torchrun_ddp")
     cfg = for_mode("decoupled", 3, fragments=3, sync_every=6)

@@ -312,6 +312,7 @@ def linked_run(tmp_path, *flags) -> dict:
     return report
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_decoupled_run_trains_over_shaped_links_with_latency_and_reports_their_bytes(tmp_path):
     report = linked_run(tmp_path, "--mode", "decoupled", "--link-latency-ms", "20", "--fragments", "4",
@@ -327,6 +328,7 @@ def test_a_decoupled_run_trains_over_shaped_links_with_latency_and_reports_their
     assert report["final_eval_loss"] < report["initial_eval_loss"]
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_data_parallel_run_all_reduces_across_the_shaped_links(tmp_path):
     report = linked_run(tmp_path, "--mode", "dp")
@@ -338,6 +340,7 @@ def test_a_data_parallel_run_all_reduces_across_the_shaped_links(tmp_path):
     assert report["rounds"] == 20 and report["final_eval_loss"] < report["initial_eval_loss"]
 
 
+@pytest.mark.slow
 @needs_root
 def test_ctrl_c_during_a_run_stops_it_and_removes_its_links(tmp_path):
     out = tmp_path / "run"

@@ -139,6 +139,7 @@ def test_stop_all_signals_every_process_before_waiting_for_any(tmp_path):
         kill_all(p.pid for p in procs)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
     out = tmp_path / "run"
     run = subprocess.Popen([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "2", "--duration",

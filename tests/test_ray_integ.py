@@ -27,7 +27,7 @@ from diloco.run.local import TINY  # noqa: E402
 from diloco.train.config import TrainConfig  # noqa: E402
 from diloco.train.loop import train_config_to_json  # noqa: E402
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 NODE = {"num_cpus": 3, "object_store_memory": 200 * 1024 * 1024, "node_ip_address": "127.0.0.1"}
 

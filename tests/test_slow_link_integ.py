@@ -55,6 +55,7 @@ def syncer_and_proxy(fragments=3, sync_every=4, **faults):
         syncer.stop()
 
 
+@pytest.mark.slow
 def test_a_big_model_joins_trains_and_finishes_over_a_slow_link():
     model = big()
     size = model_bytes(model)

@@ -29,7 +29,7 @@ from diloco.train.loop import train_config_to_json
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.timeout(480), pytest.mark.slow]
 
 
 def missing() -> str | None:

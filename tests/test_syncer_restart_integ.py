@@ -16,7 +16,7 @@ from torch import nn
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 STEPS = 1200  # about 15 s of training: the kill comes at 2 s and the restart about 4 s later
 
 
