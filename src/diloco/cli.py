@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("syncer", help="run the central syncer alone", description="Serve the global model to learners.")
     n = p.add_argument_group("network and security")
     n.add_argument("--listen", type=address, default="127.0.0.1:50051", help="gRPC HOST:PORT (127.0.0.1:50051)")
-    n.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of the dashboard, /status and /metrics")
+    n.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of the dashboard, /status, /history and /metrics")
     n.add_argument("--token", help="secret shared by trusted learners (beyond loopback: this or --credentials)")
     n.add_argument("--credentials", type=Path, metavar="FILE",
                    help="per-learner credentials (TOML, `diloco credentials new ID --file FILE`): each listed id "
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--client-cert-ids", action="store_true",
                    help="with --tls-client-ca: a learner's client certificate names its id (common name) and is its "
                         "credential; it joins under that id only")
-    n.add_argument("--status-token", help="read-only secret for /status and /metrics beyond loopback "
+    n.add_argument("--status-token", help="read-only secret for /status, /history and /metrics beyond loopback "
                                           "(`Authorization: Bearer ...`); loopback clients need none")
     n.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     n.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")

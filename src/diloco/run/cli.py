@@ -54,8 +54,8 @@ def register(sub, add_sync_options, add_train_options) -> None:
     c.add_argument("--mtbf", type=float, help="mean seconds between failures for --chaos random (run length / 4)")
     n = add_network_options(p)
     n.add_argument("--http", type=address, metavar="HOST:PORT",
-                   help="serve the syncer's dashboard, /status and /metrics here, e.g. 127.0.0.1:8080 (default: a "
-                        "free port on 127.0.0.1; with --syncer-shards N, shard i takes PORT + i)")
+                   help="serve the syncer's dashboard, /status, /history and /metrics here, e.g. 127.0.0.1:8080 "
+                        "(default: a free port on 127.0.0.1; with --syncer-shards N, shard i takes PORT + i)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, help="run directory (default runs/<time>-<mode>)")
     o.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")

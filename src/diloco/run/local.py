@@ -67,7 +67,7 @@ class Plan:
     initial_model: Path | None = None
     """The syncer's --initial-model: the built-in model as learners build it, written into the run (None: uploaded)."""
     http: str | None = None
-    """HOST:PORT of the (first) syncer's dashboard, /status and /metrics (`--http`); None: a free port."""
+    """HOST:PORT of the (first) syncer's dashboard, /status, /history and /metrics (`--http`); None: a free port."""
 
 
 def make_plan(args) -> Plan:
