@@ -45,7 +45,8 @@ async def probe(numel: int, rounds: int = 1, learners: int = 2, every: float = 0
     heartbeats are timed. Returns latencies (seconds) of heartbeats and status calls made while core work ran."""
     torch.manual_seed(seed)
     specs = [TensorSpec("w", (numel,), "float32")]
-    core = SyncerCore(SyncConfig(fragments=1, down_codec=down_codec, merge="rda"))
+    # a quorum of every learner: the round stays open for all the pushes queued at once, then is closed
+    core = SyncerCore(SyncConfig(fragments=1, down_codec=down_codec, merge="rda", quorum=learners))
     core.initialize(specs, [torch.randn(numel)])
     service = SyncerService(core, SyncerMetrics())
     ids = [f"l{i}" for i in range(learners)]

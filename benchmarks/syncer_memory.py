@@ -72,7 +72,9 @@ def measure(learners: int, rounds: int) -> dict:
     model_bytes = 4 * sum(s.numel for s in specs if s.kind != "alias")
     baseline = peak_rss_bytes()
     cfg = for_mode("decoupled", learners, grace=0.0)
-    core = SyncerCore(cfg)
+    # a clock that stands still: every push of a round arrives as it opens, so each round takes all of them (a push
+    # arriving after a round was due would open the next one) until the forced poll
+    core = SyncerCore(cfg, clock=lambda: 0.0)
     layout = fitted_layout(specs, cfg.fragments)
     core.initialize(specs, [torch.zeros(f.numel) for f in layout])
     sessions = {f"l{i}": core.join(f"l{i}", specs) for i in range(learners)}

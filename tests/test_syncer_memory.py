@@ -47,10 +47,16 @@ def held_bytes(core) -> int:
     return total
 
 
+def STANDING() -> float:  # noqa: N802
+    """A clock that stands still: every push of a round arrives at the instant it opened, so the round takes them all
+    (a push that arrives after a round was due opens the next one: SyncerCore._close_if_due) until the forced poll."""
+    return 100.0
+
+
 def peak_bytes(learners: int, rounds: int = 3, **overrides) -> int:
     cfg = for_mode("decoupled", learners, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
                    **overrides)
-    core = SyncerCore(cfg)
+    core = SyncerCore(cfg, clock=STANDING)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(learners)}
     g = torch.Generator().manual_seed(0)
@@ -115,7 +121,7 @@ def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded
 
 def test_the_memory_report_accounts_for_what_the_core_holds():
     cfg = for_mode("decoupled", 3, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0)
-    core = SyncerCore(cfg)
+    core = SyncerCore(cfg, clock=STANDING)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(3)}
     g = torch.Generator().manual_seed(0)

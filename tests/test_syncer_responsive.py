@@ -43,7 +43,9 @@ SPECS = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w", (256,), "f
 
 
 def _core_with_pending_round():
-    core = SyncerCore(SyncConfig(fragments=2, down_codec="int8"))
+    # a clock that stands still: both pushes arrive as the round opens (with no grace window yet, a push arriving
+    # later would find it due and open the next one)
+    core = SyncerCore(SyncConfig(fragments=2, down_codec="int8"), clock=lambda: 100.0)
     core.initialize(SPECS, [torch.randn(256), torch.randn(256)])
     sessions = {i: core.join(i, SPECS) for i in ("a", "b")}
     for k, (i, s) in enumerate(sessions.items()):

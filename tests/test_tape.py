@@ -15,7 +15,9 @@ SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "f
 
 
 def test_a_core_records_its_events_and_inspect_summarises_them(tmp_path, capsys):
-    core = SyncerCore(for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0))
+    # a clock that stands still: with no grace window a round is due when its first push arrives, and a push that
+    # arrives later is let in only once it is closed; at one instant both of a round's pushes are in
+    core = SyncerCore(for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0), clock=Clock())
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     core.tape = Tape(tmp_path / "tape.jsonl")
     sa, sb = core.join("a", SPECS), core.join("b", SPECS)

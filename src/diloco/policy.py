@@ -1,7 +1,8 @@
 """When a round of one fragment closes (DESIGN §3.4): a pure function of state, averages, now and config.
 
 The syncer calls `decide` whenever something changes and again at the returned `wake_at`; nothing here reads a
-clock or sleeps, so every rule is tested with plain numbers.
+clock or sleeps, so every rule is tested with plain numbers. A close at a deadline says when it became due
+(`Decision.due_at`): the syncer acts on it as of then, however late it wakes up (syncer/core.py, `SyncerCore.poll`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class Decision:
     """When to ask again if nothing else happens (None: only when a contribution or liveness changes)."""
     quorum_at: float | None = None
     """When quorum was first reached (to be stored in the round state)."""
+    due_at: float | None = None
+    """For a close at a deadline (the grace window's end): that deadline, when the close became due. None for a close
+    that holds whenever its inputs do (every live learner contributed): it became due when they came to hold."""
 
 
 def grace_seconds(avg: Averages, cfg: PolicyConfig) -> float:
@@ -99,7 +103,7 @@ def decide(state: RoundState, live: frozenset[str], avg: Averages, now: float, c
     if awaited is not None and awaited > deadline:
         deadline = awaited
     if now >= deadline:
-        return Decision(True, "grace window ended", quorum_at=quorum_at)
+        return Decision(True, "grace window ended", quorum_at=quorum_at, due_at=deadline)
     return Decision(False, "grace window open", wake_at=deadline, quorum_at=quorum_at)
 
 

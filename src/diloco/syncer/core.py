@@ -29,7 +29,7 @@ from diloco import codec, ids
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
 from diloco.merge import StreamingMerge, segment_norms, token_weight
-from diloco.policy import Averages, MovingAverage, RoundState, decide
+from diloco.policy import Averages, Decision, MovingAverage, RoundState, decide
 from diloco.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer import downlink, persistence, phase, rounds
@@ -442,6 +442,7 @@ class SyncerCore:
                 self.refusals[reason] = self.refusals.get(reason, 0) + 1
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
+        check = self._close_if_due(fragment, fs, arrived)  # before its version gives this push's staleness
         staleness = fs.version - base_version
         params = fs.fragment.role == "params"
         method = self.cfg.merge if params else "mean"
@@ -512,6 +513,7 @@ class SyncerCore:
         c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, arrived, counted,
                          bounded=counted != declared, earlier=earlier,
                          carried=max(carried if params and not free_ride else 0.0, older.carried if older else 0.0))
+        c.check = check
         if older is not None:
             c.replaced = older.replaced + 1
             c.since = older.since if older.since is not None else older.arrived_at
@@ -539,6 +541,9 @@ class SyncerCore:
             fs.pending[learner_id] = c
             if fs.opened_at is None:
                 fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
+            if fs.quorum_at is None:  # reached when the push that makes it arrives, however late the next poll
+                avg = self.averages()
+                self._note_quorum(fs, *self._decide(fragment, fs, self.live(), avg, arrived), avg)
         return PushResult(True)
 
     def _keep_and_fold(self, fs: FragmentState, method: str, learner_id: str, delta: torch.Tensor, weight: float,
@@ -627,7 +632,9 @@ class SyncerCore:
 
     def poll(self, force: bool = False) -> list[Publication]:
         """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom. Worker
-        thread: the rounds are chosen under the lock and closed without it."""
+        thread: the rounds are chosen under the lock and closed without it. A round closes as it was when the policy
+        had it due (`_due`): a wake-up that comes late delays the close but never changes its contributors, since a
+        push that arrives after that is let in only once the round is closed (`_close_if_due`)."""
         closing = []
         with self.lock:
             out, self._outbox = self._outbox, []
@@ -635,23 +642,65 @@ class SyncerCore:
             for index, fs in enumerate(self.fragments):
                 if not fs.pending:
                     continue
-                quorum_before = fs.quorum_at
-                d, expected = self._decide(index, fs, live, avg, now)
-                t = lambda x: None if x is None else round(x - self.started_at, 6)  # noqa: E731
-                if d.quorum_at is not None and fs.quorum_at is None:
-                    fs.quorum_at = d.quorum_at
-                    self.quorum_avg.update(d.quorum_at - fs.opened_at)
-                    # the inputs its grace window was first set from, before later contributors left `expected`
-                    fs.at_quorum = {"averages": vars(avg), "expected": {k: t(v) for k, v in expected.items()}}
+                d, _, inputs = self._ask(index, fs, live, avg, now, now)
                 if d.close or force:
-                    # what the policy decided on: the tape can replay it (syncer/replay.py)
-                    inputs = {"reason": d.reason if d.close else "forced", "now": t(now), "opened_at": t(fs.opened_at),
-                              "quorum_at": t(quorum_before), "live": sorted(self.awaited(fs, live)), "averages": vars(avg),
-                              "expected": {k: t(v) for k, v in expected.items()}, "at_quorum": fs.at_quorum}
-                    closing.append((index, fs, inputs))
+                    forced = {**inputs, "reason": "forced", "due": inputs["now"]}
+                    closing.append((index, fs, inputs if d.close else forced))
         for index, fs, inputs in closing:
             out.extend(rounds.close(self, index, fs, inputs))
         return out
+
+    def _close_if_due(self, index: int, fs: FragmentState, at: float) -> tuple[int, dict] | None:
+        """Before a push that arrived at `at` joins fragment `index`'s open round: close the round first when the
+        policy had it due before `at`, so that a wake-up that comes late (a busy machine) never lets a push into a
+        round the policy had closed. Returns (the round's version, what the policy decided on when it let the push
+        in) for the tape (`rounds.checked`); None when no round was open or it was closed."""
+        with self.lock:
+            if not fs.pending:
+                return None
+            d, due, inputs = self._ask(index, fs, self.live(), self.averages(), at, self.clock())
+            if not d.close or due >= at:  # a close due at the push's own arrival time takes the push in
+                asked = {k: inputs[k] for k in ("live", "averages", "expected")}
+                return fs.version, {"present": len(fs.pending), **asked}
+        self._outbox.extend(rounds.close(self, index, fs, inputs))
+        return None
+
+    def _ask(self, index: int, fs: FragmentState, live: frozenset[str], avg: Averages, at: float,
+             now: float) -> tuple[Decision, float | None, dict]:
+        """(Lock held.) The policy's decision on fragment `index`'s open round as of `at` (≤ `now`, the clock), when
+        a close became due (`_due`; None while it waits), and what it decided on as the tape records it
+        (syncer/replay.py): the reason, when the syncer acted (`now`) and when the close was due (`due`), the open and
+        quorum times, the learners it awaited, the moving averages and the predicted pushes. Notes the quorum when
+        first reached."""
+        quorum_before = fs.quorum_at
+        d, expected = self._decide(index, fs, live, avg, at)
+        self._note_quorum(fs, d, expected, avg)
+        due = self._due(fs, d, live, at, now) if d.close else None
+        t = lambda x: None if x is None else round(x - self.started_at, 6)  # noqa: E731
+        return d, due, {"reason": d.reason, "now": t(now), "due": t(due), "opened_at": t(fs.opened_at),
+                        "quorum_at": t(quorum_before), "live": sorted(self.awaited(fs, live)), "averages": vars(avg),
+                        "expected": {k: t(v) for k, v in expected.items()}, "at_quorum": fs.at_quorum}
+
+    def _note_quorum(self, fs: FragmentState, d: Decision, expected: dict[str, float], avg: Averages) -> None:
+        """(Lock held.) Store when the round reached quorum, if `d` says it has and it was not yet stored."""
+        if d.quorum_at is not None and fs.quorum_at is None:
+            fs.quorum_at = d.quorum_at
+            self.quorum_avg.update(d.quorum_at - fs.opened_at)
+            # the inputs its grace window was first set from, before later contributors left `expected`
+            t = lambda x: round(x - self.started_at, 6)  # noqa: E731
+            fs.at_quorum = {"averages": vars(avg), "expected": {k: t(v) for k, v in expected.items()}}
+
+    def _due(self, fs: FragmentState, d: Decision, live: frozenset[str], at: float, now: float) -> float:
+        """(Lock held.) When the close `d` of `fs`'s round, decided as of `at` with the live learners `live` of `now`,
+        became due: at its deadline, but never before the latest push in the round (each was let in because the
+        round was not due when it arrived); a close that holds whenever its inputs do (every live learner
+        contributed), when they came to: that latest push, or a learner's leaving or turning absent after it."""
+        since = max((c.arrived_at for c in fs.pending.values() if c.arrived_at is not None), default=at)
+        if d.due_at is not None:
+            return max(d.due_at, since)
+        gone = [r.left_at if r.left else r.last_seen + self.cfg.absent_after_seconds
+                for r in self.learners.values() if r.id not in live and r.id not in fs.pending]
+        return max([since, *(x for x in gone if x is not None and since < x <= now)])
 
     def next_wakeup(self) -> float | None:
         """When `poll` may have something new to do without any new request."""

@@ -150,7 +150,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                                    **({"cosine": round(c.cosine, 4)} if c.cosine is not None else {}),
                                    **({"direction": c.direction} if c.direction < 1.0 else {}),
                                    "weight": c.direction * token_weight(*counted_c, fs.version - 1 - c.base_version,
-                                                          core.cfg.staleness_decay)}
+                                                          core.cfg.staleness_decay),
+                                   **checked(c, fs.version - 1, decision)}
                                   for c, counted_c in zip(contributions, counted)])
         core.recent_rounds.append(entry)
     # ---- disk and encoding, without the lock (only the worker adds learners or changes fragments)
@@ -178,6 +179,19 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     if core.on_merge is not None:
         core.on_merge(seconds)
     return out
+
+
+def checked(c, version: int, decision: dict | None) -> dict:
+    """The tape's record of what the policy decided on when it let contribution `c` into the round of `version`
+    (`SyncerCore._close_if_due`): `present` (how many of the round's contributors, in order, were in it then), the
+    learners it awaited (only when they differ from those at the close), the moving averages and the predicted
+    pushes. `diloco replay` asks the policy again with them (syncer/replay.py). Empty for a round's first push."""
+    if c.check is None or c.check[0] != version:  # the first of a round, or checked against one closed since
+        return {}
+    check = dict(c.check[1])
+    if decision is not None and check["live"] == decision.get("live"):
+        del check["live"]
+    return {"check": check}
 
 
 def round_share(core, fs, contributions: list, counted: list[float]) -> float:
