@@ -575,7 +575,7 @@ def test_departed_learners_are_forgotten_after_a_while_and_beyond_a_cap(monkeypa
     core.poll(force=True)
     assert core.expire() == ["b"] and core.learners == {}
     # an id flood: only the newest DEPARTED_KEPT departed records stay
-    monkeypatch.setattr("diloco.syncer.core.DEPARTED_KEPT", 3)
+    monkeypatch.setattr("diloco.syncer.membership.DEPARTED_KEPT", 3)
     for i in range(5):
         core.leave(f"x{i}", core.join(f"x{i}", SPECS))
         clock.now += 1

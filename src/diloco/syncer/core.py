@@ -15,7 +15,6 @@ the worker touches. Only the worker adds learners, so it may read the ledger wit
 from __future__ import annotations
 
 import math
-import re
 import secrets
 import threading
 import time
@@ -29,9 +28,11 @@ from diloco import codec, ids
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
 from diloco.merge import StreamingMerge, segment_norms, token_weight
-from diloco.policy import Averages, Decision, MovingAverage, RoundState, decide
+from diloco.policy import MovingAverage
 from diloco.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
+from diloco.syncer.membership import Membership, Refused
+from diloco.syncer.round_timing import RoundTiming
 from diloco.syncer import downlink, persistence, phase, rounds
 from diloco.syncer.buffers import Buffers
 from diloco.syncer.direction_guard import DirectionGuard
@@ -49,18 +50,12 @@ def check_learner_id(learner_id: str) -> str:
         raise Refused(str(e)) from None
 
 
-DEPARTED_KEPT = 4096
-"""Records of learners that left or are absent kept at most (oldest forgotten first): ids cost memory."""
 RECENT_ROUNDS = 300
 REUSED_FRAGMENTS = 1
 """Free buffers kept for reuse, in sizes of the largest fragment: one embedding fragment's worth holds the few
 smaller buffers a round of any other fragment needs. 3 (before) held 0.45 F more at GPT-2's peak for pushes that
 went no faster (1.08 against 1.06 GB/s through SyncerCore, benchmarks/syncer_throughput.py)."""
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
-
-
-class Refused(Exception):
-    """A request the syncer will not honour; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +66,7 @@ class PushResult:
     resync: bool = False
 
 
-class SyncerCore:
+class SyncerCore(Membership, RoundTiming):
     def __init__(self, cfg: SyncConfig, clock: Callable[[], float] = time.monotonic, token_budget: int | None = None,
                  duration: float | None = None, store: StateStore | None = None, shard: tuple[int, int] = (0, 1)):
         """`shard` (i, N): this syncer owns the fragments p with p mod N = i and holds only their state
@@ -256,16 +251,6 @@ class SyncerCore:
                      if (r := self.learners[i]).last_push is not None and r.last_push[0] >= r.joined_at]
         return leading_position(positions, H)
 
-    def awaited(self, fs: FragmentState, live: frozenset[str]) -> frozenset[str]:
-        """The live learners a round of `fs` waits for. In a synchronous mode, not those that joined after its first
-        push arrived: they start their schedules after that fragment (`_start_position`) and will not push it
-        until its next turn, while their peers block on its merge."""
-        if not self.cfg.wait_for_merge:
-            return self.pushing(live) | (live & frozenset(fs.pending))
-        if fs.opened_at is None:
-            return live
-        return frozenset(i for i in live if self.learners[i].joined_at <= fs.opened_at or i in fs.pending)
-
     def snapshot_for_join(self, learner_id: str, copy: bool = True) -> list[tuple[int, int, torch.Tensor]]:
         """(fragment, version, full values P_v) for a joiner, recorded as what it holds. `copy=False` lends the
         values themselves (`FragmentState.lend`): the gRPC join only reads them, and a round closing meanwhile
@@ -274,122 +259,6 @@ class SyncerCore:
         record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
         return [(i, fs.version, fs.values.clone() if copy else fs.lend())
                 for i, fs in enumerate(self.fragments) if self.owns(i)]
-
-    def _record(self, learner_id: str, session: str) -> LearnerRecord:
-        record = self.learners.get(learner_id)
-        if record is None or not record.check_session(session):
-            raise Refused(f"unknown learner or wrong session for learner {learner_id!r}: it left, re-joined "
-                          f"elsewhere or never joined; join again")
-        return record
-
-    def heartbeat(self, learner_id: str, session: str, **progress) -> bool:
-        """Record liveness and progress; returns True when the learner should stop (budget reached). Any thread."""
-        with self.lock:
-            record = self._record(learner_id, session)
-            record.last_seen = self.clock()
-            if self.training_started_at is None and (progress.get("tokens_trained") or 0) > 0:
-                self.training_started_at = record.last_seen  # a duration counts training, not start-up
-            progress.pop("data_position", None)  # the ledger's position moves only when work is merged
-            step_seconds = progress.pop("step_seconds", None)
-            if step_seconds:
-                record.step_time.update(step_seconds)
-            for key, value in progress.items():
-                if value is not None:
-                    setattr(record, key, value)
-            return self.should_stop()
-
-    def heartbeat_reply(self, learner_id: str, session: str, **progress) -> tuple[bool, float | None, int, float | None]:
-        """`heartbeat`, then what its reply carries: (stop, phase lead, tokens trained, budget progress), read
-        together under the lock. Any thread: never waits for a merge."""
-        with self.lock:
-            stop = self.heartbeat(learner_id, session, **progress)
-            return stop, self.phase_lead(learner_id), self.budget_tokens(), self.budget_progress()
-
-    def should_stop(self) -> bool:
-        if self.stopping:
-            return True
-        with self.lock:
-            progress = self.budget_progress()
-        return progress is not None and progress >= 1.0
-
-    def budget_progress(self) -> float | None:
-        """Share of the token or time budget spent (the larger when both are set); None without a budget."""
-        shares = []
-        if self.token_budget:
-            with self.lock:
-                shares.append(self.budget_tokens() / self.token_budget)
-        if self.duration and self.training_started_at is not None:
-            shares.append((self.clock() - self.training_started_at) / self.duration)
-        return min(max(shares), 1.0) if shares else None
-
-    def expire(self) -> list[str]:
-        """Forget learners that left or have been absent for forget_after_seconds, and the oldest departed ones
-        beyond DEPARTED_KEPT; returns their ids. Learners with a contribution in an open round are kept."""
-        with self.lock:
-            now = self.clock()
-            busy = {learner for fs in self.fragments for learner in fs.pending}
-            departed = sorted((r for r in self.learners.values() if r.id not in busy and (
-                r.left or now - r.last_seen > self.cfg.absent_after_seconds)), key=lambda r: r.last_seen)
-            excess = max(0, len(departed) - DEPARTED_KEPT)
-            gone = [r.id for i, r in enumerate(departed)
-                    if i < excess or now - r.last_seen > self.cfg.forget_after_seconds]
-            for learner_id in gone:
-                del self.learners[learner_id]
-        if gone:
-            self.record_event("forgotten", learners=gone)
-            self.persist([])
-        return gone
-
-    def leave(self, learner_id: str, session: str) -> None:
-        with self.lock:
-            record = self._record(learner_id, session)
-            record.left, record.left_at = True, self.clock()
-            self.record_event("leave", learner=learner_id)
-
-    def live(self) -> frozenset[str]:
-        with self.lock:
-            now = self.clock()
-            return frozenset(
-                r.id for r in self.learners.values() if not r.left and now - r.last_seen <= self.cfg.absent_after_seconds
-            )
-
-    def tokens_trained(self) -> int:
-        with self.lock:
-            return sum(r.tokens_trained for r in self.learners.values())
-
-    def budget_tokens(self) -> int:
-        """Tokens the budget and the learning-rate progress count: per learner what its heartbeats report, but never
-        more than its accepted pushes carried plus two cycles (2·H steps) at its accepted tokens per step (what it
-        trained since its latest pushes). A claim in a heartbeat alone spends nothing."""
-        with self.lock:
-            slack = 2 * self.cfg.sync_every
-            return int(sum(min(r.tokens_trained, r.tokens_accepted + slack * r.step_tokens)
-                           for r in self.learners.values()))
-
-    def pushing(self, learners) -> frozenset[str]:
-        """Those of `learners` that push: a push accepted in their current session within two cycles (H of their
-        step times) or the absence timeout, whichever is longer, or joined within the absence timeout (their first
-        push is on its way). An id that only heartbeats holds no round and counts in no round's share."""
-        with self.lock:
-            now, H = self.clock(), self.cfg.sync_every
-
-            def pushes(r: LearnerRecord) -> bool:
-                if r.last_push is None or r.last_push[0] < r.joined_at:
-                    return now - r.joined_at <= self.cfg.absent_after_seconds
-                return now - r.last_push[0] <= max(self.cfg.absent_after_seconds, 2 * H * (r.step_time.value or 0.0))
-
-            return frozenset(i for i in learners if pushes(self.learners[i]))
-
-    def tokens_merged(self) -> int:
-        with self.lock:
-            return sum(r.tokens_merged for r in self.learners.values())
-
-    def averages(self) -> Averages:
-        with self.lock:
-            live = self.live()
-            steps = [r.step_time.value for r in self.learners.values() if r.id in live and r.step_time.value]
-            # the fastest learner pushes first and waits longest, so its step time bounds the window
-            return Averages(min(steps) if steps else None, self.quorum_avg.value, self.sync_avg.value)
 
     # ---- pushes and rounds --------------------------------------------------------------------------------
     def push(
@@ -629,106 +498,6 @@ class SyncerCore:
         with self.lock:
             downlink.count_full(self.full_answers, [pub])
         return pub
-
-    def poll(self, force: bool = False) -> list[Publication]:
-        """Close every round the policy (or `force`, at shutdown) allows; returns what to send to whom. Worker
-        thread: the rounds are chosen under the lock and closed without it. A round closes as it was when the policy
-        had it due (`_due`): a wake-up that comes late delays the close but never changes its contributors, since a
-        push that arrives after that is let in only once the round is closed (`_close_if_due`)."""
-        closing = []
-        with self.lock:
-            out, self._outbox = self._outbox, []
-            live, avg, now = self.live(), self.averages(), self.clock()
-            for index, fs in enumerate(self.fragments):
-                if not fs.pending:
-                    continue
-                d, _, inputs = self._ask(index, fs, live, avg, now, now)
-                if d.close or force:
-                    forced = {**inputs, "reason": "forced", "due": inputs["now"]}
-                    closing.append((index, fs, inputs if d.close else forced))
-        for index, fs, inputs in closing:
-            out.extend(rounds.close(self, index, fs, inputs))
-        return out
-
-    def _close_if_due(self, index: int, fs: FragmentState, at: float) -> tuple[int, dict] | None:
-        """Before a push that arrived at `at` joins fragment `index`'s open round: close the round first when the
-        policy had it due before `at`, so that a wake-up that comes late (a busy machine) never lets a push into a
-        round the policy had closed. Returns (the round's version, what the policy decided on when it let the push
-        in) for the tape (`rounds.checked`); None when no round was open or it was closed."""
-        with self.lock:
-            if not fs.pending:
-                return None
-            d, due, inputs = self._ask(index, fs, self.live(), self.averages(), at, self.clock())
-            if not d.close or due >= at:  # a close due at the push's own arrival time takes the push in
-                asked = {k: inputs[k] for k in ("live", "averages", "expected")}
-                return fs.version, {"present": len(fs.pending), **asked}
-        self._outbox.extend(rounds.close(self, index, fs, inputs))
-        return None
-
-    def _ask(self, index: int, fs: FragmentState, live: frozenset[str], avg: Averages, at: float,
-             now: float) -> tuple[Decision, float | None, dict]:
-        """(Lock held.) The policy's decision on fragment `index`'s open round as of `at` (≤ `now`, the clock), when
-        a close became due (`_due`; None while it waits), and what it decided on as the tape records it
-        (syncer/replay.py): the reason, when the syncer acted (`now`) and when the close was due (`due`), the open and
-        quorum times, the learners it awaited, the moving averages and the predicted pushes. Notes the quorum when
-        first reached."""
-        quorum_before = fs.quorum_at
-        d, expected = self._decide(index, fs, live, avg, at)
-        self._note_quorum(fs, d, expected, avg)
-        due = self._due(fs, d, live, at, now) if d.close else None
-        t = lambda x: None if x is None else round(x - self.started_at, 6)  # noqa: E731
-        return d, due, {"reason": d.reason, "now": t(now), "due": t(due), "opened_at": t(fs.opened_at),
-                        "quorum_at": t(quorum_before), "live": sorted(self.awaited(fs, live)), "averages": vars(avg),
-                        "expected": {k: t(v) for k, v in expected.items()}, "at_quorum": fs.at_quorum}
-
-    def _note_quorum(self, fs: FragmentState, d: Decision, expected: dict[str, float], avg: Averages) -> None:
-        """(Lock held.) Store when the round reached quorum, if `d` says it has and it was not yet stored."""
-        if d.quorum_at is not None and fs.quorum_at is None:
-            fs.quorum_at = d.quorum_at
-            self.quorum_avg.update(d.quorum_at - fs.opened_at)
-            # the inputs its grace window was first set from, before later contributors left `expected`
-            t = lambda x: round(x - self.started_at, 6)  # noqa: E731
-            fs.at_quorum = {"averages": vars(avg), "expected": {k: t(v) for k, v in expected.items()}}
-
-    def _due(self, fs: FragmentState, d: Decision, live: frozenset[str], at: float, now: float) -> float:
-        """(Lock held.) When the close `d` of `fs`'s round, decided as of `at` with the live learners `live` of `now`,
-        became due: at its deadline, but never before the latest push in the round (each was let in because the
-        round was not due when it arrived); a close that holds whenever its inputs do (every live learner
-        contributed), when they came to: that latest push, or a learner's leaving or turning absent after it."""
-        since = max((c.arrived_at for c in fs.pending.values() if c.arrived_at is not None), default=at)
-        if d.due_at is not None:
-            return max(d.due_at, since)
-        gone = [r.left_at if r.left else r.last_seen + self.cfg.absent_after_seconds
-                for r in self.learners.values() if r.id not in live and r.id not in fs.pending]
-        return max([since, *(x for x in gone if x is not None and since < x <= now)])
-
-    def next_wakeup(self) -> float | None:
-        """When `poll` may have something new to do without any new request."""
-        with self.lock:
-            return self._next_wakeup()
-
-    def _next_wakeup(self) -> float | None:
-        live, avg, now = self.live(), self.averages(), self.clock()
-        times = [now] if self._outbox else []
-        for index, fs in enumerate(self.fragments):
-            if fs.pending:
-                d, _ = self._decide(index, fs, live, avg, now)
-                times.append(now if d.close else d.wake_at)
-        # a learner turning absent can unblock a round that waits for everyone
-        times += [self.learners[i].last_seen + self.cfg.absent_after_seconds for i in live]
-        times = [t for t in times if t is not None]
-        return min(times) if times else None
-
-    def _decide(self, index: int, fs: FragmentState, live: frozenset[str], avg: Averages, now: float):
-        """The policy's decision for a fragment's open round, and the predicted pushes it was given."""
-        live = self.awaited(fs, live)
-        state = RoundState(frozenset(fs.pending), fs.opened_at, fs.quorum_at)
-        policy, expected = self.policy, {}
-        if policy.expect_steps:
-            expected = {i: at for i in live - state.contributors
-                        if (at := phase.predicted_push(self.learners[i], index, now, self.cfg.sync_every,
-                                                       self.cfg.fragments)) is not None}
-        return decide(state, live, avg, now, policy, expected), expected
 
     def phase_lead(self, learner_id: str) -> float | None:
         """Steps by which this learner's push schedule runs ahead of its reference's (negative: behind); see

@@ -1,0 +1,135 @@
+"""The syncer's view of its learners: liveness, departures, who pushes, and the token and time budget.
+
+Mixed into SyncerCore (syncer/core.py), whose state it reads: `learners`, `lock`, `clock`, `cfg`, the budgets.
+Every method here may run on any thread (core.py's docstring: Threading), under `lock`.
+"""
+
+from __future__ import annotations
+
+from diloco.policy import Averages
+from diloco.syncer.ledger import LearnerRecord
+
+DEPARTED_KEPT = 4096
+"""Records of learners that left or are absent kept at most (oldest forgotten first): ids cost memory."""
+
+
+class Refused(Exception):
+    """A request the syncer will not honour; the message says why and what to do."""
+
+
+class Membership:
+    def _record(self, learner_id: str, session: str) -> LearnerRecord:
+        record = self.learners.get(learner_id)
+        if record is None or not record.check_session(session):
+            raise Refused(f"unknown learner or wrong session for learner {learner_id!r}: it left, re-joined "
+                          f"elsewhere or never joined; join again")
+        return record
+
+    def heartbeat(self, learner_id: str, session: str, **progress) -> bool:
+        """Record liveness and progress; returns True when the learner should stop (budget reached). Any thread."""
+        with self.lock:
+            record = self._record(learner_id, session)
+            record.last_seen = self.clock()
+            if self.training_started_at is None and (progress.get("tokens_trained") or 0) > 0:
+                self.training_started_at = record.last_seen  # a duration counts training, not start-up
+            progress.pop("data_position", None)  # the ledger's position moves only when work is merged
+            step_seconds = progress.pop("step_seconds", None)
+            if step_seconds:
+                record.step_time.update(step_seconds)
+            for key, value in progress.items():
+                if value is not None:
+                    setattr(record, key, value)
+            return self.should_stop()
+
+    def heartbeat_reply(self, learner_id: str, session: str, **progress) -> tuple[bool, float | None, int, float | None]:
+        """`heartbeat`, then what its reply carries: (stop, phase lead, tokens trained, budget progress), read
+        together under the lock. Any thread: never waits for a merge."""
+        with self.lock:
+            stop = self.heartbeat(learner_id, session, **progress)
+            return stop, self.phase_lead(learner_id), self.budget_tokens(), self.budget_progress()
+
+    def should_stop(self) -> bool:
+        if self.stopping:
+            return True
+        with self.lock:
+            progress = self.budget_progress()
+        return progress is not None and progress >= 1.0
+
+    def budget_progress(self) -> float | None:
+        """Share of the token or time budget spent (the larger when both are set); None without a budget."""
+        shares = []
+        if self.token_budget:
+            with self.lock:
+                shares.append(self.budget_tokens() / self.token_budget)
+        if self.duration and self.training_started_at is not None:
+            shares.append((self.clock() - self.training_started_at) / self.duration)
+        return min(max(shares), 1.0) if shares else None
+
+    def expire(self) -> list[str]:
+        """Forget learners that left or have been absent for forget_after_seconds, and the oldest departed ones
+        beyond DEPARTED_KEPT; returns their ids. Learners with a contribution in an open round are kept."""
+        with self.lock:
+            now = self.clock()
+            busy = {learner for fs in self.fragments for learner in fs.pending}
+            departed = sorted((r for r in self.learners.values() if r.id not in busy and (
+                r.left or now - r.last_seen > self.cfg.absent_after_seconds)), key=lambda r: r.last_seen)
+            excess = max(0, len(departed) - DEPARTED_KEPT)
+            gone = [r.id for i, r in enumerate(departed)
+                    if i < excess or now - r.last_seen > self.cfg.forget_after_seconds]
+            for learner_id in gone:
+                del self.learners[learner_id]
+        if gone:
+            self.record_event("forgotten", learners=gone)
+            self.persist([])
+        return gone
+
+    def leave(self, learner_id: str, session: str) -> None:
+        with self.lock:
+            record = self._record(learner_id, session)
+            record.left, record.left_at = True, self.clock()
+            self.record_event("leave", learner=learner_id)
+
+    def live(self) -> frozenset[str]:
+        with self.lock:
+            now = self.clock()
+            return frozenset(
+                r.id for r in self.learners.values() if not r.left and now - r.last_seen <= self.cfg.absent_after_seconds
+            )
+
+    def tokens_trained(self) -> int:
+        with self.lock:
+            return sum(r.tokens_trained for r in self.learners.values())
+
+    def budget_tokens(self) -> int:
+        """Tokens the budget and the learning-rate progress count: per learner what its heartbeats report, but never
+        more than its accepted pushes carried plus two cycles (2·H steps) at its accepted tokens per step (what it
+        trained since its latest pushes). A claim in a heartbeat alone spends nothing."""
+        with self.lock:
+            slack = 2 * self.cfg.sync_every
+            return int(sum(min(r.tokens_trained, r.tokens_accepted + slack * r.step_tokens)
+                           for r in self.learners.values()))
+
+    def pushing(self, learners) -> frozenset[str]:
+        """Those of `learners` that push: a push accepted in their current session within two cycles (H of their
+        step times) or the absence timeout, whichever is longer, or joined within the absence timeout (their first
+        push is on its way). An id that only heartbeats holds no round and counts in no round's share."""
+        with self.lock:
+            now, H = self.clock(), self.cfg.sync_every
+
+            def pushes(r: LearnerRecord) -> bool:
+                if r.last_push is None or r.last_push[0] < r.joined_at:
+                    return now - r.joined_at <= self.cfg.absent_after_seconds
+                return now - r.last_push[0] <= max(self.cfg.absent_after_seconds, 2 * H * (r.step_time.value or 0.0))
+
+            return frozenset(i for i in learners if pushes(self.learners[i]))
+
+    def tokens_merged(self) -> int:
+        with self.lock:
+            return sum(r.tokens_merged for r in self.learners.values())
+
+    def averages(self) -> Averages:
+        with self.lock:
+            live = self.live()
+            steps = [r.step_time.value for r in self.learners.values() if r.id in live and r.step_time.value]
+            # the fastest learner pushes first and waits longest, so its step time bounds the window
+            return Averages(min(steps) if steps else None, self.quorum_avg.value, self.sync_avg.value)
