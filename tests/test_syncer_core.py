@@ -293,7 +293,8 @@ def test_a_chain_link_is_never_applied_as_an_answer():
     from diloco.inprocess import LocalSyncer, LocalTransport
 
     cfg = for_mode("decoupled", 2, fragments=1, sync_every=1, overlap=0, codec="fp32", down_codec="int8", grace=0.0)
-    local = LocalSyncer(SyncerCore(cfg))
+    # a clock that stands still: which rounds each push lands in must not depend on how busy the machine is
+    local = LocalSyncer(SyncerCore(cfg, clock=lambda: 0.0))
     models = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
     learners = [Learner(m, LocalTransport(local), f"l{i}") for i, m in enumerate(models)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
