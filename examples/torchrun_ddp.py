@@ -3,7 +3,7 @@
 Every rank builds the model, wraps it in DistributedDataParallel and creates its Learner with the job's process
 group; rank 0 talks to the syncer and the other ranks follow it. Start a syncer first:
 
-    diloco syncer --listen 127.0.0.1:50051
+    diloco syncer --listen 127.0.0.1:50051 --state runs/syncer
     torchrun --nproc-per-node 2 examples/torchrun_ddp.py --syncer 127.0.0.1:50051 --id island-a
 
 gloo on CPU; on GPUs (one per rank) the job uses NCCL and CUDA automatically.
