@@ -95,7 +95,7 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         wait_for(lambda: json.loads(get(port, "/status")[1])["faults"], timeout=10)
         def charted():  # the history samples every 2 s: rounds closed, the learner's steps and the posted loss
             h = json.loads(get(port, "/history")[1])
-            return (h["global_eval"]["t"] and h["learners"].get("a", {}).get("t")
+            return (h["global_eval"]["t"] and len(h["learners"].get("a", {}).get("t", [])) >= 2  # a line's two ends
                     and any(c is not None for c in h["samples"]["contributors"]))
         wait_for(charted, timeout=30)
         status, history = json.loads(get(port, "/status")[1]), json.loads(get(port, "/history")[1])
