@@ -121,7 +121,7 @@ def test_an_honest_learner_s_step_against_the_reference_keeps_its_weight():
     core, clock, events = make_core()
     steps = Steps(core.fragments[F].fragment.numel)
     s = {x: core.join(x, SPECS) for x in "abc"}
-    warm(core, clock, steps, s)
+    warm(core, clock, steps, s, rounds_=5)  # r ready after 4 rounds: three cosines of each learner since
     back = -steps.honest()
     assert torch.allclose(step_of(core, clock, "a", s["a"], 10, back), back, atol=1e-6)
     a = last_contributor(events, "a")
@@ -182,17 +182,17 @@ def test_a_reference_a_hostile_party_made_first_is_remade_by_the_others():
 def test_many_ids_of_one_credential_count_once_in_the_typical_cosine():
     core, clock, events = make_core()
     steps = Steps(core.fragments[F].fragment.numel)
-    s = {x: core.join(x, SPECS) for x in "ab"}
+    s = {x: core.join(x, SPECS) for x in "abc"}
     warm(core, clock, steps, s)
     m = {x: core.join(x, SPECS, credential="mallory") for x in ("m1", "m2", "m3", "m4")}
     for seq in (1, 2, 3):
-        for lid, session in m.items():
+        for lid, session in m.items():  # as four credentials, the fourth id would make the others' typical ≈ 0
             step_of(core, clock, lid, session, seq, -steps.honest())
             assert last_contributor(events, lid)["direction"] == 0.0
-        for lid in "ab":  # four ids of one party are one credential among three for a and b
+        for lid in "abc":
             step_of(core, clock, lid, s[lid], 10 + seq, steps.honest())
             assert "direction" not in last_contributor(events, lid)
-    assert len(core.fragments[F].direction.cosines.credentials()) == 3
+    assert core.fragments[F].direction.cosines.credentials() == {"a", "b", "c", "mallory"}
 
 
 def test_the_paper_preset_and_the_switch_off_merge_a_sign_flip_in_full():
@@ -233,22 +233,70 @@ def test_replay_takes_the_recorded_factor_and_finds_one_that_was_changed():
     assert weights_differ(tape)
 
 
+def ready(guard: DirectionGuard) -> DirectionGuard:
+    """`guard` once r has taken in the rounds it needs before judging (three credentials' rounds, four rounds)."""
+    for who in ("a", "b", "c", "a"):
+        guard.published(torch.zeros(guard.numel), {who})
+    assert guard.ready
+    return guard
+
+
 def test_the_reference_is_a_decaying_sum_of_published_steps_in_bf16():
     guard = DirectionGuard(8, 0.25)
     assert guard.cosine(torch.ones(8), math.sqrt(8)) is None  # nothing published yet
-    guard.published(torch.ones(8))
-    guard.published(torch.tensor([1.0, -1.0] * 4))
+    guard.published(torch.ones(8), {"a"})
+    guard.published(torch.tensor([1.0, -1.0] * 4), {"b"})
     assert guard.reference.dtype == torch.bfloat16
     assert torch.equal(guard.reference.float(), torch.tensor([1.5, -0.5] * 4))
     assert guard.cosine(torch.tensor([1.0, 0.0] * 4), 2.0) == pytest.approx(1.5 / math.sqrt(2.5), rel=1e-3)
     assert guard.cosine(torch.zeros(8), 0.0) is None  # a zero Δ (a free-rider) is not measured
-    # the factor: cos / (floor × typical of the others), in [0, 1]; its own history never counts
+
+
+def test_nothing_is_judged_until_r_took_in_rounds_of_three_credentials():
+    guard = DirectionGuard(8, 0.25)
+    for _ in range(6):  # however many rounds one or two parties push
+        guard.published(torch.ones(8), {"mallory", "a"})
+        assert guard.judge("b", -0.9) == 1.0 and len(guard.cosines.credentials()) == 0
+    guard.published(torch.ones(8), {"c"})
+    assert guard.ready
+
+
+def test_the_factor_is_the_credential_s_median_over_the_others_typical():
+    guard = ready(DirectionGuard(8, 0.25))
     assert guard.judge("mallory", -0.9) == 1.0  # no other credential yet
     for _ in range(3):
-        assert guard.judge("a", 0.4) == 1.0  # mallory's history is a's only reference: not positive, a passes
+        assert guard.judge("a", 0.4) == 1.0
     guard.judge("c", 0.4)
     assert guard.judge("mallory", -0.9) == 0.0
     assert guard.judge("mallory", 0.3) == 0.0  # positive, but its credential's median is not
     assert guard.judge("b", 0.05) == pytest.approx(0.05 / (0.25 * 0.4))  # a first cosine is its own median
     assert guard.judge("b", 0.3) == 1.0  # the median of 0.05 and 0.3 is over 0.25 × 0.4
     assert guard.judge("b", -0.5) == pytest.approx(0.05 / (0.25 * 0.4))  # one against r: judged by the median
+
+
+def test_when_the_others_do_not_follow_r_everything_passes_and_cosines_are_forgotten():
+    # a hostile party's rounds made r: honest credentials' cosines are near 0 or below, its own high
+    guard = ready(DirectionGuard(8, 0.25))
+    for who, cos in (("a", 0.05), ("c", 0.08), ("mallory", 0.6)):
+        guard.cosines.add(who, cos)
+    assert guard.judge("b", -0.1) == 1.0 and guard.forgotten == 1  # a's, c's and mallory's 0.6 gone with b's
+    assert guard.cosines.credentials() == set()
+    for who in "ac":
+        guard.judge(who, 0.3)  # r remade by everyone's rounds: the others follow it again
+    assert guard.judge("mallory", -0.5) == 0.0  # judged by what it pushes now, not by its 0.6
+
+
+def test_the_reference_costs_half_a_fragment_per_parameter_fragment_and_is_reported():
+    from diloco.syncer import memory
+
+    core, clock, events = make_core()
+    steps = {p: Steps(core.fragments[p].fragment.numel, seed=p) for p in range(3)}
+    s = {x: core.join(x, SPECS) for x in "ab"}
+    for p in range(3):
+        for seq, lid in ((1, "a"), (1, "b")):
+            step_of(core, clock, lid, s[lid], seq, steps[p].honest(), fragment=p)
+    numel = sum(fs.fragment.numel for fs in core.fragments)
+    assert sum(fs.direction.reference.numel() * 2 for fs in core.fragments) == 2 * numel  # bf16: half of fp32
+    assert memory.core_parts(core)["outer_state"] == 2 * numel  # μ = 0: the references are the whole outer state
+    off, _, _ = make_core(direction_floor=0.0)
+    assert memory.core_parts(off)["outer_state"] == 0

@@ -90,7 +90,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     if share < 1.0:
         delta.mul_(share)
     if fs.direction is not None and merged_step > 0:
-        fs.direction.published(delta)  # the step this round takes: the direction test's reference
+        # the step this round takes: the direction test's reference (and by whose contributions it was formed)
+        fs.direction.published(delta, {core.learners[c.learner].credential or c.learner for c in contributions})
     pending_share = fs.pending_share
     # buffers take their token-weighted mean, Θ − mean(Θ_base − b_m), with no outer optimizer; with μ = 0
     # Nesterov, delayed or not, is Θ ← Θ − η·Δ
