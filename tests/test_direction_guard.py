@@ -300,3 +300,23 @@ def test_the_reference_costs_half_a_fragment_per_parameter_fragment_and_is_repor
     assert memory.core_parts(core)["outer_state"] == 2 * numel  # μ = 0: the references are the whole outer state
     off, _, _ = make_core(direction_floor=0.0)
     assert memory.core_parts(off)["outer_state"] == 0
+
+
+def test_a_restarted_syncer_has_the_test_and_warms_its_reference_up_again(tmp_path):
+    from diloco.syncer.store import StateStore
+
+    core, clock, events = make_core()
+    core.store = StateStore(tmp_path)
+    core.persist(range(len(core.fragments)))
+    steps = Steps(core.fragments[F].fragment.numel)
+    s = {x: core.join(x, SPECS) for x in "abc"}
+    warm(core, clock, steps, s)
+    assert core.fragments[F].direction.ready
+    again, clock, events = make_core()
+    again.store = StateStore(tmp_path)
+    assert again.restore()
+    assert all(fs.direction is not None and fs.direction.reference is None for fs in again.fragments)
+    # until its reference has taken in rounds of three credentials again, a flip passes
+    s = {x: again.join(x, SPECS) for x in ("a", "mallory")}
+    flipped = -steps.honest()
+    assert torch.allclose(step_of(again, clock, "mallory", s["mallory"], 1, flipped), flipped, atol=1e-6)
