@@ -233,10 +233,10 @@ class Progress:
             self.live.__exit__(*exc)
 
     def update(self, status: dict | None) -> None:
+        if self.started is None and status and status.get("tokens_trained", 0) > 0:
+            self.started = time.monotonic()
         if not status or not self.enabled:
             return
-        if self.started is None and status.get("tokens_trained", 0) > 0:
-            self.started = time.monotonic()
         elapsed = self.elapsed()
         if self.live:
             self.live.update(progress_table(status, elapsed, budget_text(self.plan)))
@@ -310,17 +310,19 @@ def run_local(args) -> int:
         from diloco.run.links import ShapedLinks
 
         links = ShapedLinks(plan.learners, plan.link)
-    with sigterm_as_interrupt(), links or contextlib.nullcontext():  # links removed on every way out
-        if links is not None and progress.enabled:
-            progress.console.print(f"each {'worker' if plan.mode == 'dp' else 'learner'} behind its own link of "
-                                   f"{link_text(plan)}: namespaces {links.links[0].namespace[:-2]}-*")
-        if plan.mode == "dp":
-            from diloco.baselines.launch import run_dp
+    with sigterm_as_interrupt():
+        with links or contextlib.nullcontext():  # removed on every way out
+            if links is not None and progress.enabled:
+                progress.console.print(f"each {'worker' if plan.mode == 'dp' else 'learner'} behind its own link of "
+                                       f"{link_text(plan)}: namespaces {links.links[0].namespace[:-2]}-*")
+            if plan.mode == "dp":
+                from diloco.baselines.launch import run_dp
 
-            learners, source = run_dp(plan, progress, on_tick=_dp_injector(plan) if plan.faults else None, links=links)
-            interrupted = False
-        else:
-            learners, source, interrupted = _run_with_syncer(plan, progress, args.snapshots, plan.faults, links)
+                learners, source = run_dp(plan, progress, on_tick=_dp_injector(plan) if plan.faults else None,
+                                          links=links)
+                interrupted = False
+            else:
+                learners, source, interrupted = _run_with_syncer(plan, progress, args.snapshots, plan.faults, links)
         if links is not None:  # counted as the links came down, after every process had stopped
             source["link_bytes"] = {f"learner-{i}": counts for i, counts in links.bytes.items()}
         progress.say(f"evaluating the global model at its snapshots for the report ({plan.out / 'syncer' / 'snapshots'})"
