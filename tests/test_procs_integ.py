@@ -144,7 +144,10 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
     out = tmp_path / "run"
     run = subprocess.Popen([sys.executable, "-m", "diloco", "run", "--model", "tiny", "--learners", "2", "--duration",
                             "600", "--no-progress", "--out", str(out)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                           # SIGINT acts as Ctrl-C (not inherited as ignored from a shell that ran the tests in the
+                           # background)
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     children: set[int] = set()
     try:
         metrics = out / "metrics"

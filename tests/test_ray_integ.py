@@ -95,7 +95,8 @@ def test_the_ray_run_in_an_interpreter_of_its_own():
     if os.environ.get(ISOLATED) == "1":
         pytest.skip("this is the interpreter of its own")
     name = "test_a_run_across_two_ray_nodes_survives_a_killed_island_process"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow",
+                           f"{__file__}::{name}"],
                           env={**os.environ, ISOLATED: "1"}, capture_output=True, text=True, timeout=470)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout, proc.stdout[-2000:]
