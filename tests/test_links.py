@@ -355,7 +355,7 @@ def test_ctrl_c_during_a_run_stops_it_and_removes_its_links(tmp_path):
             time.sleep(0.2)
         assert len(ours(proc.pid)) == 3
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=240)  # the learners leave, the syncer saves, the report is written
     finally:
         if proc.poll() is None:
             proc.terminate()
