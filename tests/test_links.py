@@ -341,6 +341,7 @@ def test_a_data_parallel_run_all_reduces_across_the_shaped_links(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # a busy machine: start-up, training, then the report an interrupted run writes
 @needs_root
 def test_ctrl_c_during_a_run_stops_it_and_removes_its_links(tmp_path):
     out = tmp_path / "run"
