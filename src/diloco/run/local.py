@@ -327,7 +327,16 @@ def run_local(args) -> int:
             source["link_bytes"] = {f"learner-{i}": counts for i, counts in links.bytes.items()}
         progress.say(f"evaluating the global model at its snapshots for the report ({plan.out / 'syncer' / 'snapshots'})"
                      if plan.mode != "dp" else "evaluating the final model for the report")
-        report = build_report(plan, learners, source, started)
+        try:
+            report = build_report(plan, learners, source, started)
+        except Exception as e:  # noqa: BLE001 - an interrupted run stops with what it has, never with a traceback
+            if not interrupted:
+                raise
+            Console(stderr=True).print(f"interrupted before a report could be built ({type(e).__name__}: {e}); run "
+                                       f"directory {plan.out}: logs/, metrics/, syncer/", highlight=False)
+            from diloco import exits
+
+            return exits.INTERRUPTED
     if args.json:
         print(json.dumps(report, indent=2))
     else:
