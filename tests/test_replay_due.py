@@ -8,20 +8,12 @@ import torch
 from diloco import codec
 from diloco.cli import main
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.fragments import plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.replay import replay, wake_up_latency
 from diloco.syncer.tape import Tape, read
 
-SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
+from test_syncer_core import SPECS, Clock  # the core tests' model and fake clock
 
 
 def make_core(tmp_path, learners: str, **overrides):
