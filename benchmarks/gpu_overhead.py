@@ -16,7 +16,7 @@ from gpu_setup import OVERHEAD_GOAL, Replica, Setup, sync
 def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps: int, repeats: int,
              deadline: float, profile_steps: int = 8, log=print) -> dict:
     """Alternating phases of `steps` optimizer steps, plain and with `Learner.step`, against a syncer process over
-    gRPC; then a profile of each loop for synchronisations on the training thread."""
+    gRPC; then each loop's blocking waits for the device, by thread."""
     from diloco import GrpcTransport, Learner
     from learner_overhead import SyncerProcess, join_deadlines
 
@@ -27,12 +27,16 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
     result: dict = dict(model=size, parameters=count_parameters(rep.model), batch=[batch, seq], steps=steps)
     lr = setup.train.lr
 
+    in_learner: list[float] = []  # host seconds of each Learner.step call in the timed phases
+
     def steps_of(n: int, learner) -> None:
         for _ in range(n):
             rows = torch.randint(0, vocab, (batch, seq + 1), device=setup.device, generator=gen)
             rep.step(rows[:, :-1], rows[:, 1:], lr)
             if learner is not None:
+                started = time.perf_counter()
                 learner.step(tokens_per_step)
+                in_learner.append(time.perf_counter() - started)
 
     def loop(n: int, learner) -> float:
         sync(setup.device)
@@ -45,6 +49,7 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
         learner = Learner(rep.model, GrpcTransport(syncer.address, **join_deadlines(GrpcTransport)), f"bench-{size}")
         try:
             loop(min(3, steps), None), loop(min(3, steps), learner)  # warm-up: kernels, allocator, first pushes
+            in_learner.clear()
             plain, with_learner = [], []
             for r in range(repeats):
                 if r and time.monotonic() > deadline:  # one pair always runs: the part reports a figure
@@ -54,9 +59,11 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
                 with_learner.append(loop(steps, learner))
                 log(f"  {size}: repeat {r + 1}: {plain[-1]:,.0f} tokens/s plain, {with_learner[-1]:,.0f} with Learner")
             # every step pushes a fragment (P = H): a few steps show whether a push or an apply synchronises
-            # (no synchronize of ours inside: what is counted is the loop's, the Learner's and the profiler's own)
-            result["syncs_plain"] = profile_syncs(lambda: steps_of(profile_steps, None), setup.device)
-            result["syncs_learner"] = profile_syncs(lambda: steps_of(profile_steps, learner), setup.device)
+            result["learner_step_host_ms"] = dict(
+                median=1e3 * statistics.median(in_learner), mean=1e3 * statistics.fmean(in_learner),
+                max=1e3 * max(in_learner)) if in_learner else {}
+            result["syncs_plain"] = count_waits(lambda: steps_of(profile_steps, None), setup.device)
+            result["syncs_learner"] = count_waits(lambda: steps_of(profile_steps, learner), setup.device)
             learner.finish(timeout=120)
         except BaseException:
             learner.close()
@@ -69,34 +76,56 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
     return result
 
 
-SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemset")
-"""Runtime calls that block the calling thread until the device catches up (cudaMemcpy and cudaMemset without
-Async are the blocking forms)."""
+def count_waits(body, device: torch.device) -> dict:
+    """Blocking waits for the device during `body`, by the thread that waited: Python-level waits (`Event`/`Stream`
+    `.synchronize`, `torch.cuda.synchronize`) and every synchronising operation PyTorch detects itself
+    (`torch.cuda.set_sync_debug_mode`, whose warning is raised in the thread that synchronised). The profiler's
+    trace is not used for this: on CUDA it filed every runtime call under one thread, the sender's waits with the
+    training thread's (an H200 run of benchmarks/gpu_learner_profile.py found all of them on the sender thread)."""
+    import threading
+    import warnings
 
+    training = threading.current_thread().name
+    by_thread: dict[str, dict[str, int]] = {}
 
-def profile_syncs(body, device: torch.device) -> dict:
-    """Blocking CUDA runtime calls during `body`, by thread: those on the thread that ran the matrix products (the
-    training thread) and those elsewhere (the learner's sender thread may wait for its copies; that is its job)."""
-    from torch.profiler import ProfilerActivity, profile
+    def note(call: str) -> None:
+        calls = by_thread.setdefault(threading.current_thread().name, {})
+        calls[call] = calls.get(call, 0) + 1
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        body()
-    events = prof.events()
-    by_thread: dict[int, int] = {}
-    for e in events:
-        if e.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear"):
-            by_thread[e.thread] = by_thread.get(e.thread, 0) + 1
-    training = max(by_thread, key=by_thread.get) if by_thread else None
-    on_training: dict[str, int] = {}
+    def counting(name, original):
+        def wait(*args, **kwargs):
+            note(name)
+            return original(*args, **kwargs)
+        return wait
+
+    patched = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda, "synchronize")]
+    saved = [getattr(owner, attr) for owner, attr in patched]
+    for (owner, attr), original in zip(patched, saved):
+        setattr(owner, attr, counting(f"{getattr(owner, '__name__', 'torch.cuda')}.{attr}", original))
+
+    def shown(message, category, *args, **kwargs):
+        if "synchroniz" in str(message):
+            note("synchronising operation (sync debug mode)")
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = shown
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                body()
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+    finally:
+        for (owner, attr), original in zip(patched, saved):
+            setattr(owner, attr, original)
+    on_training = by_thread.get(training, {})
     elsewhere: dict[str, int] = {}
-    threads: dict[str, dict] = {}  # every thread's matrix products and blocking calls, to read the trace by hand
-    for e in events:
-        if e.name in SYNC_CALLS:
-            target = on_training if e.thread == training else elsewhere
-            target[e.name] = target.get(e.name, 0) + 1
-            calls = threads.setdefault(str(e.thread), {"matmuls": by_thread.get(e.thread, 0), "syncs": {}})["syncs"]
-            calls[e.name] = calls.get(e.name, 0) + 1
+    for name, calls in by_thread.items():
+        if name != training:
+            for call, n in calls.items():
+                elsewhere[call] = elsewhere.get(call, 0) + n
     return dict(training_thread=sum(on_training.values()), training_thread_calls=on_training,
-                other_threads=sum(elsewhere.values()), other_thread_calls=elsewhere,
-                training_thread_id=training, threads=threads)
+                other_threads=sum(elsewhere.values()), other_thread_calls=elsewhere, threads=by_thread)

@@ -40,16 +40,19 @@ def markdown(report: dict) -> str:
               f"The same loop with and without `Learner.step` (gRPC to a syncer process, decoupled defaults); medians "
               f"of alternating phases. Goal: tokens/s within {OVERHEAD_GOAL:.0%}; no synchronisation with the device "
               "on the training thread from the Learner.", "",
-              "| model | parameters | batch | plain tokens/s | with Learner | ratio | meets goal | training-thread "
-              "syncs: plain loop / with Learner | syncs on other threads |", "|---|---|---|---|---|---|---|---|---|"]
+              "| model | parameters | batch | plain tokens/s | with Learner | ratio | meets goal | Learner.step host ms "
+              "(median / max) | training-thread waits: plain loop / with Learner | waits on other threads |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in o["rows"]:
-        sp, sl = r.get("syncs_plain", {}), r.get("syncs_learner", {})
+        sp, sl, host = r.get("syncs_plain", {}), r.get("syncs_learner", {}), r.get("learner_step_host_ms", {})
         lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['batch'][0]}×{r['batch'][1]} | "
                      f"{fmt(r.get('plain_tokens_per_second'), ',.0f')} | "
                      f"{fmt(r.get('learner_tokens_per_second'), ',.0f')}"
                      f" | {fmt(r.get('tokens_per_second_ratio'), '.3f')} | {'yes' if r.get('meets_goal') else 'no'} | "
+                     f"{fmt(host.get('median'), '.2f')} / {fmt(host.get('max'), '.1f')} | "
                      f"{sp.get('training_thread', '–')} / {sl.get('training_thread', '–')} "
-                     f"{json.dumps(sl.get('training_thread_calls', {}))} | {sl.get('other_threads', '–')} |")
+                     f"{json.dumps(sl.get('training_thread_calls', {}))} | {sl.get('other_threads', '–')} "
+                     f"{json.dumps(sl.get('other_thread_calls', {}))} |")
     lines += notes(o)
     m = report["mixed"]
     lines += ["", "## Mixed hardware", "",

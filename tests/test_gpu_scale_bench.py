@@ -18,6 +18,7 @@ gpu_scale = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_scale"] = gpu_scale  # registered as an imported module would be
 _spec.loader.exec_module(gpu_scale)  # puts src/ on sys.path and checks the package's imports, as on the GPU machine
 
+from gpu_overhead import count_waits  # noqa: E402
 from gpu_runs import Outcome, first_reach, plan_tokens, quality_rows  # noqa: E402  (its pure parts)
 from gpu_setup import PUBLISHED_GAP  # noqa: E402
 
@@ -65,6 +66,7 @@ def test_the_smoke_run_reports_every_part_with_finite_figures(smoke):
         assert row["parameters"] > 0 and finite(row["plain_tokens_per_second"]) and row["plain_tokens_per_second"] > 0
         assert finite(row["tokens_per_second_ratio"]) and row["pushes"] > 0
         assert isinstance(row["syncs_learner"]["training_thread"], int)  # no CUDA here: counted, and zero
+        assert 0 < row["learner_step_host_ms"]["median"] <= row["learner_step_host_ms"]["max"]
     assert overhead["124m"]["parameters"] > overhead["35m"]["parameters"]
     # mixed hardware: the precisions and speeds asked for, the half-speed learner stepping half as often
     equal, mixed = report["mixed"]["runs"]
@@ -112,3 +114,28 @@ def test_bad_input_is_refused_in_one_line(tmp_path, argv, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv, "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_waits_are_counted_on_the_thread_that_waited():
+    """The sender thread's waits for its copies must not be filed under the training thread (a profiler trace did)."""
+    import contextlib
+    import threading
+
+    import torch
+
+    def wait(call):
+        with contextlib.suppress(Exception):  # no CUDA here: counted, then the real call fails
+            call()
+
+    def body():
+        wait(torch.cuda.synchronize)
+        other = threading.Thread(target=lambda: (wait(lambda: torch.cuda.Event.synchronize(None)),
+                                                 wait(lambda: torch.cuda.Stream.synchronize(None))), name="sender")
+        other.start()
+        other.join()
+
+    waits = count_waits(body, torch.device("cpu"))
+    assert waits["training_thread"] == 1 and set(waits["training_thread_calls"]) == {"torch.cuda.synchronize"}
+    assert waits["other_threads"] == 2 and waits["threads"]["sender"] == {"Event.synchronize": 1,
+                                                                       "Stream.synchronize": 1}
+    assert torch.cuda.synchronize.__name__ == "synchronize"  # restored
