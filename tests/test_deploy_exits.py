@@ -88,9 +88,11 @@ def test_usage_errors_exit_2_and_a_busy_port_means_retry(capsys, monkeypatch, tm
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        monkeypatch.chdir(tmp_path)
         code, err, written = run(capsys, monkeypatch, tmp_path, "syncer", "--listen", f"127.0.0.1:{port}",
                                  "--http", "127.0.0.1:0")
     assert code == written == exits.RETRY and "cannot listen" in err
+    assert not list((tmp_path / "runs").iterdir())  # no empty default state folder left behind
 
 
 def test_only_the_leader_of_a_torchrun_group_writes_the_exit_file(monkeypatch, tmp_path):

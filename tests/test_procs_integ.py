@@ -1,5 +1,5 @@
 """Processes never outlive their run: `diloco run` killed with SIGKILL takes its syncer and learners (torchrun's
-ranks included) with it, and `diloco syncer --duration N` ends by itself."""
+ranks included) with it, and `diloco syncer --duration N` ends by itself (keeping its final model where it says, --state or not)."""
 
 import json
 import os
@@ -91,24 +91,26 @@ def test_run_killed_with_sigkill_takes_every_child_with_it(tmp_path, learners, r
         kill_all(children)
 
 
-def test_syncer_with_a_duration_exits_by_itself(tmp_path):
-    state = tmp_path / "state"
+def test_syncer_with_a_duration_exits_by_itself_and_keeps_its_model_without_state(tmp_path):
+    """Started without --state, the syncer keeps its state in a new runs/syncer-* folder, says so first and last."""
     syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--listen", "127.0.0.1:0", "--http",
-                               "127.0.0.1:0", "--state", str(state), "--duration", "3", "--fragments", "2",
-                               "--sync-every", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=ENV)
+                               "127.0.0.1:0", "--duration", "3", "--fragments", "2", "--sync-every", "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=tmp_path)
     learner = None
     try:
-        wait_for(lambda: (state / "ready.json").exists() or syncer.poll() is not None, timeout=120)
+        wait_for(lambda: list(tmp_path.glob("runs/syncer-*/ready.json")) or syncer.poll() is not None, timeout=120)
         assert syncer.poll() is None
-        port = json.loads((state / "ready.json").read_text())["grpc_port"]
+        ready, = tmp_path.glob("runs/syncer-*/ready.json")
+        state = ready.parent.relative_to(tmp_path)
+        port = json.loads(ready.read_text())["grpc_port"]
         learner = subprocess.Popen([sys.executable, "-m", "diloco", "learner", "--syncer", f"127.0.0.1:{port}",
                                     "--id", "a", "--model", "tiny", "--batch-size", "4"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
         output, _ = syncer.communicate(timeout=180)  # nobody stops it: the budget does
         assert syncer.returncode == 0, output[-3000:]
+        assert f"no --state given: the syncer keeps its state and the final model in {state} " in output
         assert f"the final model is {state / 'model.safetensors'}" in output.splitlines()[-1]
-        assert (state / "model.safetensors").exists()
+        assert (tmp_path / state / "model.safetensors").exists()
         assert learner.wait(60) == 0
     finally:
         for proc in (learner, syncer):

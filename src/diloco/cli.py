@@ -6,7 +6,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 from diloco import checks
@@ -74,7 +77,15 @@ def cmd_syncer(args) -> int:
     limit_arenas()  # before any thread allocates (diloco.allocator)
 
     cfg = resolved_sync_config(args)
-    opts = ServerOptions(listen=args.listen, http=args.http, out=args.state, token=args.token,
+    state = args.state
+    if state is None:  # a syncer always keeps its final model somewhere it says
+        state = default_state_folder()
+        checks.writable_dir("--state", state.parent)
+        print(f"no --state given: the syncer keeps its state and the final model in {state} (pass --state DIR to "
+              f"choose the folder, and the same DIR again to resume after a restart)", file=sys.stderr)
+    else:
+        checks.writable_dir("--state", state)
+    opts = ServerOptions(listen=args.listen, http=args.http, out=state, token=args.token,
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout, recover=args.state_recover,
@@ -83,15 +94,21 @@ def cmd_syncer(args) -> int:
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
                          exit_when_done=args.exit_when_done,
                          credentials=args.credentials, client_cert_ids=args.client_cert_ids)
-    if args.state is not None:
-        checks.writable_dir("--state", args.state)
-    status = asyncio.run(serve(cfg, opts))
+    try:
+        status = asyncio.run(serve(cfg, opts))
+    finally:
+        if args.state is None and state.is_dir() and not (state / "ready.json").exists():
+            shutil.rmtree(state, ignore_errors=True)  # a syncer that never served leaves no folder of its own behind
     model = status.get("final_model")
-    where = (f"the final model is {model}" if model else "no final model (start with --state DIR to keep one)"
-             if args.state is None else f"no final model in {args.state} (no learner joined, or see the log)")
+    where = f"the final model is {model}" if model else f"no final model in {state} (no learner joined, or see the log)"
     print(f"syncer stopped after {status.get('rounds', 0)} rounds; tokens merged {status.get('tokens_merged', 0):.0f}; "
           f"{where}")
     return 0
+
+
+def default_state_folder() -> Path:
+    """runs/syncer-<time>-<pid>: a new folder per syncer process, so that nothing is resumed by accident."""
+    return Path("runs") / f"syncer-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def leave_on_signal():
@@ -259,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "serves until stopped (SIGTERM), as under `diloco run`, which stops its syncer itself once "
                         "its learners, restarted ones included, are done")
     o = p.add_argument_group("output and state")
-    o.add_argument("--state", type=Path, help="directory for snapshots, the final model and syncer.json")
+    o.add_argument("--state", type=Path, help="directory for snapshots, the final model and syncer.json (default: a "
+                   "new runs/syncer-<time>-<pid>; give the same DIR again to resume after a restart)")
     o.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between model snapshots in --state")
     o.add_argument("--snapshot-tokens", type=int, default=0, help="trained tokens between model snapshots in --state")
     o.add_argument("--state-recover", action="store_true",

@@ -263,6 +263,10 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             self.metrics.observe_rounds(self.core)
 
     # ---- membership ---------------------------------------------------------------------------------------
+    def update_streams(self, learner_id: str) -> int:
+        """Update streams open for `learner_id`, over all its sessions."""
+        return sum(n for (lid, _), n in list(self._streams.items()) if lid == learner_id)
+
     def _live_for(self, learner_id: str) -> float | None:
         """Seconds since `learner_id` joined if its current session is live here (its update stream is open and
         it was heard from within the absence timeout); None otherwise."""
@@ -476,7 +480,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
                                f"unknown learner or wrong session for learner {shown(request.learner_id)}: it left, "
                                f"re-joined elsewhere or never joined; join again")
-        if sum(n for (lid, _), n in self._streams.items() if lid == request.learner_id) >= MAX_STREAMS:
+        if self.update_streams(request.learner_id) >= MAX_STREAMS:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams", (
                 f"learner {shown(request.learner_id)} has {MAX_STREAMS} update streams open already; a learner "
                 f"needs one"))
