@@ -253,9 +253,13 @@ with ShapedLinks(2, 8e6) as links:
 def start_child() -> tuple[subprocess.Popen, int]:
     """A process that holds two links and a process inside one; SIGINT acts as Ctrl-C on it (not inherited as
     ignored from a shell that started the tests in the background)."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, env=ENV,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    sleeper = int(child.stdout.readline())
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=ENV, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    line = child.stdout.readline()
+    if not line:  # it ended before its links were up: say how
+        _, err = child.communicate(timeout=60)
+        raise AssertionError(f"the child holding the links ended with {child.returncode} before printing: {err[-2000:]}")
+    sleeper = int(line)
     assert len(ours(child.pid)) == 3
     return child, sleeper
 

@@ -127,11 +127,11 @@ def test_stop_all_signals_every_process_before_waiting_for_any(tmp_path):
     n = 3
     leave = ("import pathlib, signal, sys, time\n"
              "d, i, n = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])\n"
-             "signal.signal(signal.SIGTERM, lambda *a: (d / i).touch())\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (d / f'signalled-{i}').touch())\n"
              "(d / f'ready-{i}').touch()\n"
-             "while len(list(d.glob('[0-9]*'))) < n:\n"
+             "while len(list(d.glob('signalled-*'))) < n:\n"
              "    time.sleep(0.05)\n")
-    procs = [spawn([sys.executable, "-c", leave, str(tmp_path), str(i), str(n)], tmp_path / f"{i}.log")
+    procs = [spawn([sys.executable, "-c", leave, str(tmp_path), str(i), str(n)], tmp_path / "logs" / f"{i}.log")
              for i in range(n)]
     try:
         wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == n, timeout=120)
