@@ -17,6 +17,8 @@ built-in model on real data like the others and changes what it sends:
 | `inflate-tokens` | its real Δ, claiming 24·2^32 tokens per push |
 | `tiny-weight` | its real Δ, declaring 1 token in 2^53 steps (a weight of ~10^-31) |
 | `heartbeat-tokens` | its real Δ, and heartbeats claiming 10^9 tokens more each time |
+| `flip-some` | −Δ on two of every five pushes of a fragment, its real Δ on the others: fewer than half of its recent pushes |
+| `noise-aligned` | `noise` plus its own Δ scaled so that the cosine with Δ is 0.6 (its Δ is what it knows of the run's recent direction) |
 
 Each run gets the same per-learner step budget (`--steps`), so the honest learners do the same work whatever the
 fourth sends; the table gives each run's final held-out loss against the all-honest run's, and against three honest
@@ -39,10 +41,38 @@ import sys
 import time
 from pathlib import Path
 
-ATTACKS = ("sign-flip", "noise", "drift", "free-rider", "replay", "inflate-tokens", "tiny-weight", "heartbeat-tokens")
+ATTACKS = ("sign-flip", "noise", "drift", "free-rider", "replay", "inflate-tokens", "tiny-weight", "heartbeat-tokens",
+           "flip-some", "noise-aligned")
 
 
 # ---- the hostile learner (this script, run with --hostile ATTACK) ----
+
+def attacked(attack: str, delta, pushes_before: int, generator, directions: dict, fragment: int):
+    """What the hostile learner sends instead of its honest Δ of `fragment` (None: Δ itself), given how many pushes
+    of that fragment it made before this one. Counter attacks change the job, not Δ (`hostile_transport`)."""
+    import torch
+
+    norm = delta.norm().item()
+    if attack == "sign-flip" or (attack == "flip-some" and pushes_before % 5 in (1, 3)):
+        return -delta
+    if attack == "noise":
+        noise = torch.randn(delta.numel(), generator=generator)
+        return noise * (0.9 * 50 * norm / noise.norm().item())
+    if attack == "noise-aligned":  # cos(noise + c·Δ, Δ) = c‖Δ‖ / ‖noise + c·Δ‖ = 0.6 for noise ⟂ Δ
+        noise = torch.randn(delta.numel(), generator=generator)
+        noise -= (noise @ delta) / max(norm * norm, 1e-30) * delta
+        size = 0.9 * 50 * norm / 1.25  # ‖noise‖ = 0.8 of the whole, which is 0.9 × the guard's bound as in `noise`
+        return noise * (size / noise.norm().item()) + delta * (0.75 * size / max(norm, 1e-30))
+    if attack == "drift":
+        d = directions.get(fragment)
+        if d is None:
+            d = torch.randn(delta.numel(), generator=generator)
+            d = directions[fragment] = d / d.norm()
+        return delta + 0.5 * norm * d
+    if attack == "free-rider":
+        return torch.zeros_like(delta)
+    return None
+
 
 def hostile_transport(attack: str, seed: int):
     """A GrpcTransport whose pushes and heartbeats carry `attack`."""
@@ -61,24 +91,12 @@ def hostile_transport(attack: str, seed: int):
 
         def push(self, job) -> None:
             payload = job.payload(self.config.codec)  # the honest Δ, encoded once: the sender reuses it
-            delta = codec.decode(payload)
-            norm = delta.norm().item()
             kept = self.history.setdefault(job.fragment, [])
+            changed = attacked(attack, codec.decode(payload), len(kept), self.generator, self.directions,
+                               job.fragment)
             kept.append(payload)
-            changed = None
-            if attack == "sign-flip":
-                changed = -delta
-            elif attack == "noise":
-                noise = torch.randn(delta.numel(), generator=self.generator)
-                changed = noise * (0.9 * 50 * norm / noise.norm().item())
-            elif attack == "drift":
-                d = self.directions.get(job.fragment)
-                if d is None:
-                    d = torch.randn(delta.numel(), generator=self.generator)
-                    d = self.directions[job.fragment] = d / d.norm()
-                changed = delta + 0.5 * norm * d
-            elif attack == "free-rider":
-                changed, job.tokens = torch.zeros_like(delta), 4 * job.tokens
+            if attack == "free-rider":
+                job.tokens = 4 * job.tokens
             elif attack == "replay" and len(kept) > 10:
                 job._payload = kept[-11]
             elif attack == "inflate-tokens":
