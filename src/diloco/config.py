@@ -140,13 +140,14 @@ class SyncConfig:
     norm_ceiling: float = 1.0
     """Ours. Refuse, from a run's first push, a contribution whose norm per step exceeds this multiple of the fragment's
     own norm (0: off). Honest AdamW steps measure 0.003–0.11 of it (GPT-2 at lr 6e-4 to 1e-2)."""
-    clip_norm_ratio: float = 4.0
-    """Ours, the robust merge (0: off; on by measurement: against a learner pushing noise at the outlier guard's
-    largest size it took the final loss from 6.01 to 2.52 (2.24 all-honest), for +0.010 nats on honest runs over
-    three seeds, within their noise; docs/results.md, "Hostile learners"). Scale a contribution down, before it is merged, to this multiple of the
-    norm per step that other credentials' accepted contributions of the fragment typically have (a prior from the
-    fragment's own norm joins that reference while fewer than two others have any): a hostile push moves the model
-    at most as far as this many honest ones, and colluding ids of one credential do not move the reference."""
+    clip_norm_ratio: float = 2.0
+    """Ours, the robust merge (0: off; on by measurement, docs/results.md, "Hostile learners"). Scale a contribution
+    down, before it is merged, to this multiple of the norm per step that other credentials' accepted contributions
+    of the fragment typically have (a prior from the fragment's own norm bounds the first pushes, while fewer than
+    two others have any): a hostile push moves the model at most as far as this many honest ones, and colluding ids
+    of one credential do not move the reference. At 4 (the earlier default) one learner in four pushing noise, or
+    noise with a component along its own Δ, still cost +8.9% and +35.7% of the final loss; at 2, +2.3% and +2.1%,
+    within the noise of ignoring that learner, for −0.005, −0.016 and +0.033 nats on honest runs of three seeds."""
     direction_floor: float = 0.0
     """Ours, the direction test (0: off). Merge a parameter contribution with its Δ and weight scaled by
     c / (this × typical), at most 1 and at least 0: c is the median of its credential's recent cosines with the

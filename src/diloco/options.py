@@ -113,7 +113,7 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
                         "fragment's own norm (1; 0: off)")
     g.add_argument("--clip-norm-ratio", type=float, metavar="RATIO",
                    help="robust merge: scale a contribution down to this multiple of the norm per step other "
-                        "credentials' contributions typically have (0: off)")
+                        "credentials' contributions typically have (2; 0: off)")
     g.add_argument("--direction-floor", type=float, metavar="FRACTION",
                    help="direction test: merge a contribution scaled by its credential's recent cosine with the "
                         "fragment's recent steps over this fraction of other credentials' typical one, at most 1, 0 "
