@@ -127,13 +127,16 @@ def test_the_robust_merge_clips_a_contribution_to_other_credentials_typical_size
 
 
 @pytest.mark.parametrize("ratio", [2.0, 4.0])
-def test_before_others_have_history_the_clip_bound_comes_from_the_fragment_whatever_the_ratio(ratio):
-    from diloco.syncer.norm_guard import PRIOR_CLIP, NormGuard, fragment_scale
+def test_before_others_have_history_the_clip_bound_comes_from_the_fragments_own_norm(ratio):
+    from diloco.syncer.norm_guard import PRIOR_PER_STEP, NormGuard, fragment_scale
 
     guard = NormGuard(numel=1000, ceiling=1.0, ratio=50.0, sync_every=H, clip=ratio)
-    assert guard.clip_bound("a", 3.0) == pytest.approx(PRIOR_CLIP * fragment_scale(1000, 3.0))
+    prior = PRIOR_PER_STEP * fragment_scale(1000, 3.0)
+    assert guard.clip_bound("a", 3.0) == pytest.approx(ratio * prior)
     guard.accept("b", 0.01)  # one other credential: the prior still joins the median
-    assert guard.clip_bound("a", 3.0) == pytest.approx(ratio * (0.01 + PRIOR_CLIP / ratio * 3.0) / 2)
+    assert guard.clip_bound("a", 3.0) == pytest.approx(ratio * (0.01 + prior) / 2)
+    guard.accept("c", 0.03)  # two: theirs alone
+    assert guard.clip_bound("a", 3.0) == pytest.approx(ratio * 0.02)
 
 
 def test_many_ids_of_one_credential_cannot_reset_the_outlier_reference():

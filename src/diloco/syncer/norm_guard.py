@@ -13,8 +13,8 @@ their norm per local step (declared steps counted up to H: declaring more buys n
   become the new reference instead of being refused forever.
 - **Clip** (`clip_norm_ratio`, the robust merge): a contribution over `clip_norm_ratio` × the others' reference is
   scaled down to it before it is merged, not refused. While fewer than MIN_OTHERS other credentials have
-  history, a prior from the fragment's own norm joins the reference (placing the bound at PRIOR_CLIP of it per
-  step, whatever the ratio), so the first pushes of a run are bounded too.
+  history, a prior from the fragment's own norm (PRIOR_PER_STEP of it per step) joins the reference, so the
+  first pushes of a run are bounded too.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ MIN_SAMPLES = 4
 NEAR_ZERO_RMS = 0.02
 """Per-value scale the ceiling assumes for a fragment whose own norm is smaller (zero-initialised layers)."""
 PRIOR_PER_STEP = 0.05
-"""A typical step's norm relative to its fragment's, before any is known (0.003–0.11 measured)."""
-PRIOR_CLIP = 4 * PRIOR_PER_STEP
-"""The clip's bound per step from the prior, whatever its ratio: above every honest step measured."""
+"""The clip's prior: a typical step's norm relative to its fragment's before any is known (0.003–0.11 measured; at
+the default ratio, 2, the first pushes are bounded at 0.1 of it: an honest step that large is scaled down a
+little, never refused)."""
 MIN_OTHERS = 2
 """Other credentials with history before the clip's reference is theirs alone (the prior no longer joins it)."""
 
@@ -90,7 +90,7 @@ class NormGuard:
             return None
         medians = self.accepted.medians(credential)
         if len(medians) < MIN_OTHERS:
-            medians.append(PRIOR_CLIP / self.clip * self.scale(fragment_norm))
+            medians.append(PRIOR_PER_STEP * self.scale(fragment_norm))
         return self.clip * statistics.median(medians)
 
     def accept(self, credential: str, per_step: float) -> None:
