@@ -113,14 +113,21 @@ def test_synchronous_modes_go_on_without_a_killed_learner(tmp_path, mode):
     lives = [i for i, x in enumerate(killed) if x["step"] == 1]
     down_from = killed[lives[1] - 1]["t"]  # its last step before the kill
     back, stopped = back_at(out), float((out / "stopped_at").read_text())
+    restart = next(e["wall"] for e in map(json.loads, (out / "faults.jsonl").read_text().splitlines())
+                   if e["event"] == "fault_end")
     for survivor in ("learner-0", "learner-2"):
         times = [x["t"] for x in metric_lines(out, survivor)]
         before = [b - a for a, b in zip(times, times[1:]) if b < down_from]
-        # steps that ended from the kill on, learner-1's return included: it rejoins in phase with the survivors
-        gaps = [b - a for a, b in zip(times, times[1:]) if down_from <= b <= stopped]
+        # steps that ended from the kill until learner-1 was restarted: rounds close without it
+        gaps = [b - a for a, b in zip(times, times[1:]) if down_from <= b <= restart]
         # beyond the absence timeout, a few of its own steps: how long a step takes on this machine right now
         allowed = absent_after + max(2.0, 3 * sorted(before)[len(before) // 2])
         assert any(down_from + absent_after + 2.0 <= t <= back for t in times), \
             f"{survivor} took no step once learner-1 was absent"
         assert max(gaps) <= allowed, f"{survivor} stalled {max(gaps):.1f} s (> {allowed:.1f}) after learner-1 was killed"
+        # its return: once it has joined, synchronous rounds wait for its first pushes, so a loaded machine's
+        # start-up of the restarted process may hold the survivors that long, and no longer (it rejoins in phase)
+        returning = [b - a for a, b in zip(times, times[1:]) if restart < b <= stopped]
+        assert max(returning, default=0.0) <= allowed + (back - restart), \
+            f"{survivor} stalled {max(returning):.1f} s after learner-1 was restarted"
     assert report["final_eval_loss"] < report["initial_eval_loss"]
