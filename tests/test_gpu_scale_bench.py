@@ -139,3 +139,15 @@ def test_waits_are_counted_on_the_thread_that_waited():
     assert waits["other_threads"] == 2 and waits["threads"]["sender"] == {"Event.synchronize": 1,
                                                                        "Stream.synchronize": 1}
     assert torch.cuda.synchronize.__name__ == "synchronize"  # restored
+
+
+@pytest.mark.slow
+def test_the_learner_profile_reports_host_times_and_waits_by_thread(tmp_path):
+    """benchmarks/gpu_learner_profile.py at CPU scale: the same code the GPU diagnostic runs."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_learner_profile.py"), "--device", "cpu",
+                           "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "learner_profile.json").read_text())
+    assert result["plain"]["learner_host_max"] < result["learner"]["learner_host_median"] <= \
+        result["learner"]["learner_host_max"]  # the plain loop never calls the Learner
+    assert finite(result["learner"]["wall_per_step"]) and result["waits"]["training_thread"] == 0
