@@ -82,11 +82,12 @@ def test_a_stalled_join_says_the_link_is_slow_not_that_the_syncer_is_missing():
     with syncer_and_proxy(bandwidth_bps=50e3) as (syncer, proxy):
         first = Learner(big(), GrpcTransport(syncer.address), "first")  # initialises the syncer, at loopback speed
         started = time.monotonic()
-        with pytest.raises(SyncerError) as e:  # one 2 MiB chunk takes 40 s at 50 kB/s
-            Learner(big(seed=1), GrpcTransport(proxy.address, stall_timeout=1.0), "second")
+        # one 2 MiB chunk takes 40 s at 50 kB/s; 5 s is room for a loaded syncer's small reply header to arrive
+        with pytest.raises(SyncerError) as e:
+            Learner(big(seed=1), GrpcTransport(proxy.address, stall_timeout=5.0), "second")
         message = str(e.value)
-        assert time.monotonic() - started < 15
-        assert message.startswith(f"join stalled: no data from the syncer at {proxy.address} for 1 s after 0.0 of 26.")
+        assert time.monotonic() - started < 30  # well before the first chunk could have arrived
+        assert message.startswith(f"join stalled: no data from the syncer at {proxy.address} for 5 s after 0.0 of 26.")
         assert "the link is too slow or down (raise stall_timeout / --stall-timeout)" in message
         assert "diloco syncer" not in message and "start" not in message
         first.close()
@@ -95,11 +96,11 @@ def test_a_stalled_join_says_the_link_is_slow_not_that_the_syncer_is_missing():
 def test_a_stalled_upload_of_the_initial_model_says_the_link_is_slow():
     with syncer_and_proxy(bandwidth_bps=50e3) as (syncer, proxy):
         started = time.monotonic()
-        with pytest.raises(SyncerError) as e:
-            Learner(big(), GrpcTransport(proxy.address, stall_timeout=1.0), "first")
+        with pytest.raises(SyncerError) as e:  # 5 s: room for a loaded syncer to answer the join that precedes it
+            Learner(big(), GrpcTransport(proxy.address, stall_timeout=5.0), "first")
         message = str(e.value)
-        assert time.monotonic() - started < 15
-        assert message.startswith(f"init stalled: nothing moved to or from the syncer at {proxy.address} for 1 s")
+        assert time.monotonic() - started < 30  # well before the first 2 MiB chunk could have been sent
+        assert message.startswith(f"init stalled: nothing moved to or from the syncer at {proxy.address} for 5 s")
         assert "of 26." in message and "MB of the initial model" in message
         assert "too slow or down" in message and "diloco syncer" not in message
 
