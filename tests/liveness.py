@@ -10,13 +10,15 @@ import urllib.request
 
 
 class Watchdog:
-    """Polls a syncer's /status; `longest_stall` is the longest time (s) in which no fragment version advanced."""
+    """Polls a syncer's /status; `longest_stall` is the longest time (s) in which no fragment version advanced,
+    `changes` how often the versions were seen to advance."""
 
     def __init__(self, http_port: int, period: float = 0.1):
         self.url = f"http://127.0.0.1:{http_port}/status"
         self.period = period
         self.longest_stall = 0.0
         self.samples = 0
+        self.changes = 0
         self._last_total, self._last_change = None, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -32,9 +34,16 @@ class Watchdog:
             now = time.monotonic()
             self.samples += 1
             if total != self._last_total:
+                self.changes += self._last_total is not None
                 self._last_total, self._last_change = total, now
             elif self._last_change is not None and total > 0:
                 self.longest_stall = max(self.longest_stall, now - self._last_change)
+
+    def calm_stall(self, changes: int = 20, timeout: float = 120.0) -> float:
+        """The longest stall over the first `changes` advances: what this machine shows right now without any fault,
+        the yardstick for a fault's allowed stall (a loaded machine's steps, and so its rounds, come slower)."""
+        wait_for(lambda: self.changes >= changes, timeout=timeout)
+        return self.longest_stall
 
     def stop(self) -> float:
         self._stop.set()

@@ -1,8 +1,10 @@
 """The syncer's health probes for schedulers: /healthz (live) and /readyz (ready), open to every client and free
 of secrets, while /status beyond loopback still needs a token."""
 
+import asyncio
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -13,7 +15,8 @@ from torch import nn
 from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
-from diloco.syncer.server import LIVE_WITHIN, ServerOptions, SyncerThread, probe
+from diloco.syncer.server import LIVE_WITHIN, ServerOptions, SyncerThread, _http_server, probe
+from diloco.syncer.service import SyncerService
 
 from liveness import wait_for
 
@@ -52,6 +55,48 @@ def test_a_running_syncer_is_live_and_ready_before_and_after_the_model_exists():
         learner.finish()
     finally:
         syncer.stop()
+
+
+def test_status_is_known_once_ready_json_says_where_to_ask(tmp_path, monkeypatch):
+    """ready.json is written after the first status refresh, so a reader that asks /status at once gets it; before
+    that refresh /status says 503 "starting", never an empty body."""
+    original = SyncerService.status
+    first = threading.Event()
+
+    async def slow_first(self):
+        if not first.is_set():  # a loaded machine: the first refresh is slow to come
+            first.set()
+            await asyncio.sleep(1.0)
+        return await original(self)
+
+    monkeypatch.setattr(SyncerService, "status", slow_first)
+    answers = []
+
+    def read_at_once():
+        wait_for(lambda: (tmp_path / "s" / "ready.json").exists(), timeout=60, period=0.001)
+        ready = json.loads((tmp_path / "s" / "ready.json").read_text())
+        answers.append(get(f"http://127.0.0.1:{ready['http_port']}/status"))
+
+    reader = threading.Thread(target=read_at_once)
+    reader.start()
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
+                          ServerOptions(listen="127.0.0.1:0", out=tmp_path / "s"))
+    try:
+        reader.join(60)
+        code, body = answers[0]
+        assert code == 200 and "rounds" in json.loads(body)
+        assert get(f"http://127.0.0.1:{syncer.status['http_port']}/status")[0] == 200
+    finally:
+        syncer.stop()
+
+
+def test_status_before_the_first_refresh_says_starting():
+    server = _http_server("127.0.0.1:0", None, {}, [""])  # serves from its own thread
+    try:
+        code, body = get(f"http://127.0.0.1:{server.server_address[1]}/status")
+        assert code == 503 and json.loads(body) == {"starting": True}
+    finally:
+        server.shutdown()
 
 
 def own_address() -> str | None:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from diloco.run.local import TINY
 from diloco.train.config import TrainConfig
 from diloco.train.loop import train_config_to_json
 
-from liveness import Watchdog
+from liveness import Watchdog, wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -22,6 +23,11 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 def spawn(args, log):
     return subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "INFO", *args], stdout=log,
                             stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def merged(http_port) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=2) as r:
+        return {x["id"]: x["merged"] for x in json.loads(r.read())["learners"]}
 
 
 def test_sigstop_learner_is_excluded_then_resumes(tmp_path):
@@ -40,12 +46,14 @@ def test_sigstop_learner_is_excluded_then_resumes(tmp_path):
                             str(i), "--num-shards", "2", "--max-steps", "500", "--train-config",
                             str(tmp_path / "train.json"), "--summary", str(tmp_path / f"l{i}.json")], log)
                      for i in range(2)]
-        time.sleep(4)  # both training
+        wait_for(lambda: all(merged(ready["http_port"]).get(f"l{i}", 0) > 0 for i in range(2)))  # both training
         watchdog = Watchdog(ready["http_port"])
+        # the absence timeout, then a few of the machine's own gaps between advances without any fault
+        allowed = 1.5 + max(0.5, 3 * watchdog.calm_stall())
         learners[1].send_signal(signal.SIGSTOP)
-        time.sleep(4)  # l1 frozen: absent after 1.5 s; l0 alone advances the model
+        time.sleep(allowed + 2.0)  # l1 frozen longer than the bound: if it held the others, the watchdog sees it
         learners[1].send_signal(signal.SIGCONT)
-        watchdog.assert_alive(allowed=2.0)
+        watchdog.assert_alive(allowed)
         for p in learners:
             assert p.wait(120) == 0
     finally:

@@ -62,12 +62,26 @@ def net():
     return nn.Sequential(nn.Embedding(32, 8), nn.Flatten(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
 
 
-def train(learner_id, address, steps, out):
+@pytest.fixture
+def training():
+    """The test's training threads and the event that ends them: set at the test's end, so a failing test's threads
+    stop instead of running on into the interpreter's shutdown."""
+    stop, threads = threading.Event(), []
+    yield stop, threads
+    stop.set()
+    for t in threads:
+        t.join(60)
+
+
+def train(learner_id, address, steps, out, stop):
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     learner = Learner(model, GrpcTransport(address, connect_timeout=30), learner_id)
     g = torch.Generator().manual_seed(len(learner_id))
     for _ in range(steps):
+        if stop.is_set():
+            learner.close()
+            return
         x = torch.randint(0, 32, (8, 4), generator=g)
         loss = nn.functional.cross_entropy(model(x), x.sum(1) % 32)
         opt.zero_grad()
@@ -79,13 +93,12 @@ def train(learner_id, address, steps, out):
     out[learner_id] = learner
 
 
-def test_syncer_sigkill_and_restart_loses_no_published_round(tmp_path, started):
+def test_syncer_sigkill_and_restart_loses_no_published_round(tmp_path, started, training):
     port, state = free_port(), tmp_path / "syncer"
     proc, info = start_syncer(port, state, started)
-    done = {}
-    # daemon threads: a failing test does not wait for them to train out their steps
-    threads = [threading.Thread(target=train, args=(i, f"127.0.0.1:{port}", STEPS, done), daemon=True)
-               for i in ("a", "b")]
+    done, (stop, threads) = {}, training
+    threads += [threading.Thread(target=train, args=(i, f"127.0.0.1:{port}", STEPS, done, stop), daemon=True)
+                for i in ("a", "b")]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60  # rounds merged before the kill (joining is slow on a loaded machine)

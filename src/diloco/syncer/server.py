@@ -297,6 +297,9 @@ def _http_server(address: str, service: SyncerService, status: dict, tokens: lis
             path, _, query = self.path.partition("?")
             if path.startswith("/metrics"):
                 body, kind = service.metrics.exposition(), "text/plain; version=0.0.4"
+            elif path.startswith("/status") and not status:  # the HTTP port opens just before the first refresh
+                self._reply(503, b'{"starting": true}', "application/json")
+                return
             elif path.startswith("/status"):
                 body, kind = status_json(status), "application/json"
             elif path == "/history" and history is not None:
@@ -383,6 +386,12 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)
     if http:
         log.info("dashboard: http://%s:%d/", opts.http.rsplit(":", 1)[0].strip("[]"), http.server_address[1])
+
+    async def refresh_status() -> None:
+        status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
+                      wire_parts=metrics.wire_by_part(), **ready, **health(core))
+
+    await refresh_status()  # whoever reads ready.json may ask /status at once
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         write_json(opts.out / "ready.json", ready, indent=2)
@@ -393,9 +402,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     progress = ProgressLine()
     try:
         while not stop.is_set():
-            status.update(await service.status(), wire_bytes=metrics.total_wire_bytes(), **metrics.wire_by_direction(),
-                          wire_parts=metrics.wire_by_part(), **ready,
-                          **health(core))
+            await refresh_status()
             metrics.observe_status(status)
             history.observe(status)
             progress.maybe_log(status)
