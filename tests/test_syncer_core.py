@@ -166,12 +166,15 @@ def test_a_second_push_from_a_pending_learner_closes_the_round_first():
     assert core.fragments[1].version == 1 and torch.allclose(core.fragments[1].outer_values(), before - 1.0)
     c = core.fragments[1].pending["a"]
     assert (c.session, c.steps, c.tokens, c.base_version) == (s2, 4, 400, 0)
-    assert core.next_wakeup() == 100.0
-    pubs = core.poll()  # the closed round's answer first; the new round stays open for b
-    assert [(p.learner, p.version, p.seq) for p in pubs] == [("a", 1, 1)] and core.fragments[1].pending
+    # the closed round answers no one: its push's session was replaced, and the new session holds v0, not the v0
+    # the answer's change would start from (its seq 1 would also pass for the new session's own push 1)
+    assert core.next_wakeup() > 100.0
+    assert core.poll() == [] and core.fragments[1].pending  # the new round stays open for b
     assert core.learners["a"].merged_seq == {f"{s}:1": 1}
-    core.poll(force=True)
+    pubs = core.poll(force=True)
     assert torch.allclose(core.fragments[1].outer_values(), before - 4.0) and core.fragments[1].version == 2
+    (answer,) = pubs  # to the new session's own push 1, taking it from the v0 it holds to v2
+    assert (answer.learner, answer.version, answer.seq, answer.full) == ("a", 2, 1, True)
 
 
 def test_too_stale_contribution_is_refused_with_resync():
@@ -727,3 +730,34 @@ def test_a_learner_that_left_counts_in_the_share_of_progress_made_while_it_train
     assert torch.allclose(core.fragments[1].outer_values(), before - 1.0, atol=1e-6)
     core.join("b", SPECS)  # back: live again, and no longer counted as having left
     assert core.learners["b"].left_at is None
+
+
+def test_a_push_of_a_session_replaced_by_a_rejoin_is_merged_but_not_answered():
+    core, _ = make_core(learners=1, grace=0.0)
+    old = core.join("a", SPECS)
+    assert push(core, "a", old, 1, value=0.3).accepted  # under way when its process was killed
+    new = core.join("a", SPECS)  # the restarted process, under the same id, holds the values of its join
+    joined_at = dict(core.learners["a"].versions)
+    assert core.poll() == []  # merged, but its answer would be a change from values the new session never held
+    assert core.fragments[1].version == joined_at[1] + 1 and core.learners["a"].versions == joined_at
+    held = {i: v for i, _, v in core.snapshot_for_join("a")}
+    receiver = Receiver()
+    receiver.reset([(i, core.fragments[i].version, held[i].clone()) for i in held], keep_overlap=False)
+    assert push(core, "a", new, 1, value=0.3).accepted
+    (pub,) = core.poll()
+    assert receiver.accept(pub)  # the new session's answers start from what it holds
+
+
+def test_answers_computed_before_a_rejoin_are_not_delivered_to_the_new_session():
+    from diloco.syncer.metrics import SyncerMetrics
+    from diloco.syncer.service import SyncerService
+
+    core, _ = make_core(learners=1, grace=0.0)
+    service = SyncerService(core, SyncerMetrics())
+    old = core.join("a", SPECS)
+    push(core, "a", old, 1, value=0.3)
+    answers = core.poll()  # the round closed just before the re-join; its answers are delivered just after
+    assert len(answers) == 1 and answers[0].session == core.learners["a"].session_hash
+    core.join("a", SPECS)
+    service.deliver(answers)
+    assert service._queue("a").qsize() == 0

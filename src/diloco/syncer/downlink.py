@@ -30,6 +30,9 @@ class Publication:
     seq: int = 0
     """The push this answers; the learner ignores answers to pushes it no longer waits for. 0 for the first links of
     a chain of changes (and any other value it must hold without applying it), since learners number pushes from 1."""
+    session: str = ""
+    """`session_hash` of the learner's session it was computed for: after a re-join under the same id it is not
+    delivered (the new session took full values at its join and does not hold what this change starts from)."""
 
 
 def publish_change(fs, version: int, down_codec: str, theta: torch.Tensor) -> None:
@@ -80,8 +83,8 @@ def publications(record: LearnerRecord, index: int, fs, seq: int, full: list[cod
     record.versions[index] = v
     chain = [link for link in fs.changes if held is not None and link[0] > held]
     if chain and chain[0][0] == held + 1:
-        return [Publication(record.id, index, w, change, False, crc, seq if w == v else 0)
+        return [Publication(record.id, index, w, change, False, crc, seq if w == v else 0, record.session_hash)
                 for w, change, crc in chain]
     if not full:
         full.append(codec.encode(fs.values, "fp32"))
-    return [Publication(record.id, index, v, full[0], True, checksum(fs), seq)]
+    return [Publication(record.id, index, v, full[0], True, checksum(fs), seq, record.session_hash)]

@@ -160,9 +160,10 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         core.store.append_round(entry)
     core.persist([index])  # durable before it is published
     full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
-    out = [pub for c in contributions for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
+    answered = current_sessions(core, contributions)
+    out = [pub for c in answered for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
     if core.cfg.publish_to == "live":  # DESIGN §3.4: to every live learner, unasked (seq 0) where it did not push
-        others = sorted(core.live() - {c.learner for c in contributions})
+        others = sorted(core.live() - {c.learner for c in answered})
         out += [pub for lid in others for pub in downlink.publications(core.learners[lid], index, fs, 0, full)]
     if lossy:
         with core.lock:
@@ -261,4 +262,12 @@ def drop(core, index: int, fs, contributions: list, reason: str, decision: dict 
         core.record_event("dropped", fragment=index, version=fs.version, reason=reason, decision=decision,
                           contributors=[c.learner for c in contributions])
     full: list[codec.Encoded] = []
-    return [pub for c in contributions for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
+    return [pub for c in current_sessions(core, contributions)
+            for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
+
+
+def current_sessions(core, contributions: list) -> list:
+    """The contributions whose learner is still in the session that pushed them. A learner that re-joined under its
+    id since took the fragment's full values at the join: an answer to its old session's push would be a change
+    from values it no longer holds, and would move what the syncer records it holds."""
+    return [c for c in contributions if core.learners[c.learner].check_session(c.session)]

@@ -258,6 +258,9 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
 
     def deliver(self, publications: list[Publication]) -> None:
         for pub in publications:
+            record = self.core.learners.get(pub.learner)
+            if pub.session and (record is None or record.session_hash != pub.session):
+                continue  # computed before its learner re-joined: the new session holds the values of its join
             self._queue(pub.learner).put_nowait(pub)
         if publications:
             self.metrics.observe_rounds(self.core)
