@@ -35,6 +35,12 @@ class Publication:
     delivered (the new session took full values at its join and does not hold what this change starts from)."""
 
 
+def for_current_session(pub: Publication, record: LearnerRecord | None) -> bool:
+    """Whether `pub` may still be delivered: not when its learner re-joined since it was computed (the new session
+    holds the values of its join, not what the change starts from)."""
+    return not pub.session or (record is not None and record.session_hash == pub.session)
+
+
 def publish_change(fs, version: int, down_codec: str, theta: torch.Tensor) -> None:
     """P_v = P_{v−1} + decode(encode(Θ_v − P_{v−1})): the change every learner holding P_{v−1} applies, v being
     `version` (the fragment's next). `fs` is the fragment's FragmentState, `theta` Θ_v in fp32: with a bf16

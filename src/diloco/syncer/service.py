@@ -27,7 +27,7 @@ from diloco import codec
 from diloco.digest import check_held, held_fragments
 from diloco.syncer import memory
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
-from diloco.syncer.downlink import Publication
+from diloco.syncer.downlink import Publication, for_current_session
 from diloco.syncer.guard import ShuttingDown, guarded, short
 from diloco.syncer.initial_model import InitialModelFile
 from diloco.syncer.initial_upload import IDLE, InitialUpload
@@ -258,10 +258,8 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
 
     def deliver(self, publications: list[Publication]) -> None:
         for pub in publications:
-            record = self.core.learners.get(pub.learner)
-            if pub.session and (record is None or record.session_hash != pub.session):
-                continue  # computed before its learner re-joined: the new session holds the values of its join
-            self._queue(pub.learner).put_nowait(pub)
+            if for_current_session(pub, self.core.learners.get(pub.learner)):
+                self._queue(pub.learner).put_nowait(pub)
         if publications:
             self.metrics.observe_rounds(self.core)
 
