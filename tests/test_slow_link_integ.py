@@ -59,13 +59,15 @@ def syncer_and_proxy(fragments=3, sync_every=4, **faults):
 def test_a_big_model_joins_trains_and_finishes_over_a_slow_link():
     model = big()
     size = model_bytes(model)
-    with syncer_and_proxy(bandwidth_bps=2e6) as (syncer, proxy):
+    with syncer_and_proxy(bandwidth_bps=1e6) as (syncer, proxy):  # bytes/s: 26 s each way for the 26 MB model
         started = time.monotonic()
-        # uploads the initial model, far longer than the 5 s RPC timeout (and is not sent it back)
-        learner = Learner(model, GrpcTransport(proxy.address, rpc_timeout=5, stall_timeout=5), "slow")
+        # uploads the initial model, far longer than the 5 s RPC timeout (and is not sent it back). The 12 s stall
+        # timeout is half the transfer, so a watchdog that timed the transfer rather than its progress fails here;
+        # it leaves room for the chunks gRPC holds in flight to drain and a loaded syncer to answer once all is sent.
+        learner = Learner(model, GrpcTransport(proxy.address, rpc_timeout=5, stall_timeout=12), "slow")
         assert time.monotonic() - started > 5 and proxy.bytes_up >= size and proxy.bytes_down < size / 10
         started = time.monotonic()  # a learner with other weights downloads the global model, as long
-        other = Learner(big(seed=1), GrpcTransport(proxy.address, rpc_timeout=5, stall_timeout=5), "other")
+        other = Learner(big(seed=1), GrpcTransport(proxy.address, rpc_timeout=5, stall_timeout=12), "other")
         assert time.monotonic() - started > 5 and proxy.bytes_down >= size
         other.close()
         train(learner, model, 12)  # every fragment is due at least twice (H = 4)
