@@ -135,3 +135,27 @@ def test_a_learner_joining_a_streaming_run_late_pushes_in_phase_and_nobody_waits
         b.finish()
     finally:
         syncer.stop()
+
+
+def test_a_close_during_a_resubscribe_ends_the_receiver_quietly(monkeypatch):
+    """close() may come between the receiver's check for closing and its next Subscribe (a starved thread, seen on a
+    loaded machine): gRPC then raises ValueError ("Channel closed!"), which must end the loop, not print a traceback."""
+    import diloco.learner.grpc_transport as grpc_transport
+
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2), ServerOptions(listen="127.0.0.1:0", http=None))
+    try:
+        model = net()
+        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        transport = learner.transport
+        learner.close()
+        real = grpc_transport.Assembler
+
+        def closed_meanwhile(*args, **kwargs):  # the loop passed its check; close() runs before it subscribes
+            transport._closing.set()
+            return real(*args, **kwargs)
+
+        transport._closing.clear()
+        monkeypatch.setattr(grpc_transport, "Assembler", closed_meanwhile)
+        transport._receive_loop()  # returns; before, "ValueError: Cannot invoke RPC: Channel closed!"
+    finally:
+        syncer.stop()

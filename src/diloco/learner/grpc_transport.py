@@ -456,6 +456,10 @@ class GrpcTransport(HeartbeatNews):
                 broken = True
             except codec.CorruptPayload as e:
                 log.warning("damaged fragment from syncer (%s); resubscribing", e)
+            except ValueError:  # the channel was closed under us (between the check above and Subscribe): a shutdown
+                if self._closing.is_set():
+                    return
+                raise
             time.sleep(delay)
             delay = min(delay * 2, MAX_BACKOFF)
 
