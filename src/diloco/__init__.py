@@ -7,7 +7,15 @@ running this file: `diloco --help` answers without them.
 
 __version__ = "0.1.0"
 
-from diloco.config import SyncConfig, for_mode
+import os
+
+# gRPC's fork support restarts its poller in a forked child; a child that closes its descriptors before exec
+# (subprocess with preexec_fn, as `diloco run` starts its processes) then aborts in that poller: about 1 such start
+# in 20 while a Learner's channel is live (grpc/grpc#43055). Nothing here uses gRPC in a forked child, so it is off
+# unless the process chose otherwise before importing gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from diloco.config import SyncConfig, for_mode  # noqa: E402  (after the setting above: gRPC reads it at import)
 from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
