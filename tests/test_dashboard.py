@@ -146,7 +146,13 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
         annotations.post(f"127.0.0.1:{port}", {"kind": "fault", "event": "end", "fault": "hang", "target": "syncer",
                                                "seconds": 9.5, "duration": 3.0})
         wait_for(lambda: [x["state"] for x in json.loads(get(port, "/status")[1])["learners"]] == ["left"], timeout=20)
-        wait_for(lambda: len(json.loads(get(port, "/history")[1])["learners"]["browser-test"]["t"]) >= 2, timeout=20)
+
+        def drawn_to_the_end() -> bool:  # a learner's point comes at the first sample (every 2 s) after its step
+            step = json.loads(get(port, "/status")[1])["learners"][0]["step"]  # moved: the final heartbeat's too
+            series = json.loads(get(port, "/history")[1])["learners"]["browser-test"]
+            return len(series["t"]) >= 2 and series["step"][-1] == step
+
+        wait_for(drawn_to_the_end, timeout=20)
         status, history = json.loads(get(port, "/status")[1]), json.loads(get(port, "/history")[1])
         opened = status["uptime_seconds"]  # the page opens after this: what it draws before it, /history gave it
         dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",

@@ -365,15 +365,21 @@ def test_cli_says_a_long_id_is_invalid(capsys, syncer):
     assert code == 2 and "invalid learner id" in err and "cannot reach" not in err
 
 
-def test_a_thousand_refused_pushes_keep_one_resync_queued(syncer):
-    session = raw_join(syncer.address, "m")
-    s = stub(syncer.address)
-    for seq in range(1, 1001):
-        header, payload = push_header("m", session, fragment=seq % 2, seq=seq)
-        header.checksum ^= 1  # damaged: refused, and a full fp32 resync is due
-        reply = s.Push(iter([pb.PushChunk(header=header), pb.PushChunk(data=bytes(payload.data))]), timeout=10)
-        assert not reply.accepted and reply.resync
-    assert syncer.service._queues["m"].qsize() <= 2  # one per fragment, however many refusals
+def test_a_thousand_refused_pushes_keep_one_resync_queued():
+    # the fixture's 1 s stall timeout is for the slow-sender tests: on a loaded machine a gap between this test's two
+    # chunks once exceeded it, and the syncer rightly ended that stream
+    syncer = start(stall_timeout=30.0)
+    try:
+        session = raw_join(syncer.address, "m")
+        s = stub(syncer.address)
+        for seq in range(1, 1001):
+            header, payload = push_header("m", session, fragment=seq % 2, seq=seq)
+            header.checksum ^= 1  # damaged: refused, and a full fp32 resync is due
+            reply = s.Push(iter([pb.PushChunk(header=header), pb.PushChunk(data=bytes(payload.data))]), timeout=10)
+            assert not reply.accepted and reply.resync
+        assert syncer.service._queues["m"].qsize() <= 2  # one per fragment, however many refusals
+    finally:
+        syncer.stop()
 
 
 def test_update_queue_is_bounded():
