@@ -12,7 +12,8 @@ import os
 # gRPC's fork support restarts its poller in a forked child; a child that closes its descriptors before exec
 # (subprocess with preexec_fn, as `diloco run` starts its processes) then aborts in that poller: about 1 such start
 # in 20 while a Learner's channel is live (grpc/grpc#43055). Nothing here uses gRPC in a forked child, so it is off
-# unless the process chose otherwise before importing gRPC.
+# unless the process set it. gRPC reads it at its first import: a process that imported grpc before diloco keeps
+# what it had.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from diloco.config import SyncConfig, for_mode  # noqa: E402  (after the setting above: gRPC reads it at import)
