@@ -94,6 +94,7 @@ def main(syncer: str, learner_id: str, *, steps: int = 200, shard: int = 0, num_
             if learner.should_stop:  # diloco: the run's budget is spent
                 break
     learner.finish()  # diloco: push what is left and leave the run
+    accelerator.end_training()  # destroys the process group: left to interpreter exit, gloo can abort the process
     return Outcome(learner, start)
 
 

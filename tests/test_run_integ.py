@@ -60,7 +60,9 @@ def test_dp_baseline_counts_ring_allreduce_bytes(tmp_path):
     assert report["final_eval_loss"] < report["initial_eval_loss"]
     # unpaced, goodput and uptime measure how steadily this machine ran the steps: checked against their definition
     rates = sum(x["healthy_tokens_per_second"] for x in report["per_learner"])
-    assert report["goodput"] == pytest.approx(report["tokens_merged"] / (rates * report["wall_seconds"]), rel=1e-3)
+    wall = report["wall_seconds"]  # rounded to the millisecond, and 12 tiny steps can take a quarter of a second
+    low, high = (report["tokens_merged"] / (rates * (wall + d)) for d in (5e-4, -5e-4))
+    assert low * (1 - 1e-9) <= report["goodput"] <= high * (1 + 1e-9), (low, report["goodput"], high)
     assert 0 < report["goodput"] and 0 < report["uptime"] <= 1
 
 

@@ -58,6 +58,8 @@ def main() -> None:
         "ledger_position": callback.driver.ledger_position,
         "resumed": callback.driver.resumed.to_json() if callback.driver.resumed else None,
         "global_step": trainer.state.global_step}))
+    # PyTorch's rule for the end of a script: a gloo group left to interpreter exit can abort it (pytorch#190489)
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
