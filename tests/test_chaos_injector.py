@@ -1,7 +1,9 @@
-import time
+import threading
 
 from diloco.chaos.injector import Injector
 from diloco.chaos.schedule import Fault
+
+from liveness import wait_for
 
 
 class Recorder:
@@ -28,12 +30,11 @@ def test_slow_fault_duty_cycles_the_process_and_finish_resumes_it():
     cluster = Recorder()
     inj = Injector([Fault(0, "slow", "a", 100, factor=0.5)], cluster)
     inj.tick(0)
-    time.sleep(0.5)
+    wait_for(lambda: sum(c[0] == "pause" for c in cluster.calls) >= 2)  # cycles, on a thread of its own
     inj.finish()
-    time.sleep(0.25)
-    pauses = [c for c in cluster.calls if c[0] == "pause"]
-    assert len(pauses) >= 2
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "chaos-slow-a"])  # the cycling stopped
     assert cluster.calls[-1] == ("resume", "a")
+    assert {c for c in cluster.calls} == {("pause", "a"), ("resume", "a")}
 
 
 def test_finish_does_not_restart_killed_learners():

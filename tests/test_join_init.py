@@ -217,7 +217,7 @@ def test_a_live_id_is_refused_and_a_crashed_one_rejoins_at_once():
     with syncer_running(heartbeat_seconds=0.1, absent_after_seconds=30.0) as syncer:
         first = Learner(small(), GrpcTransport(syncer.address), "a")
         wait_for(lambda: {x["id"]: x["state"] for x in syncer.status.get("learners", [])}.get("a") == "live")
-        time.sleep(0.5)  # its update stream is open by now (opened right after the join)
+        wait_for(lambda: syncer.service.update_streams("a") == 1)  # live means its update stream is open too
         started = time.monotonic()
         with pytest.raises(SyncerError) as e:
             Learner(small(), GrpcTransport(syncer.address, connect_timeout=1.0), "a")
@@ -251,7 +251,7 @@ def test_a_live_id_is_taken_over_only_with_its_session_secret_or_by_operator_cho
     with syncer_running(heartbeat_seconds=0.1, absent_after_seconds=30.0) as syncer:
         first = Learner(small(), GrpcTransport(syncer.address), "a")
         wait_for(lambda: {x["id"]: x["state"] for x in syncer.status.get("learners", [])}.get("a") == "live")
-        time.sleep(0.5)
+        wait_for(lambda: syncer.service.update_streams("a") == 1)
         with pytest.raises(SyncerError, match="already live"):  # a wrong secret is no better than none
             Learner(small(), GrpcTransport(syncer.address, connect_timeout=1.0, session="guess"), "a")
         again = Learner(small(), GrpcTransport(syncer.address, session=first.transport.session), "a")
@@ -262,7 +262,7 @@ def test_a_live_id_is_taken_over_only_with_its_session_secret_or_by_operator_cho
     with syncer_running(heartbeat_seconds=0.1, absent_after_seconds=30.0, allow_takeover=True) as syncer:
         first = Learner(small(), GrpcTransport(syncer.address), "a")
         wait_for(lambda: {x["id"]: x["state"] for x in syncer.status.get("learners", [])}.get("a") == "live")
-        time.sleep(0.5)
+        wait_for(lambda: syncer.service.update_streams("a") == 1)
         again = Learner(small(), GrpcTransport(syncer.address, connect_timeout=5.0), "a")
         again.close()
         first.close()

@@ -64,7 +64,8 @@ class Injector:
             self.cluster.partition(f.target, f.duration)
         elif f.kind == "slow":
             stop = self._slow[f.target] = threading.Event()
-            threading.Thread(target=self._duty_cycle, args=(f.target, f.factor, stop), daemon=True).start()
+            threading.Thread(target=self._duty_cycle, args=(f.target, f.factor, stop), name=f"chaos-slow-{f.target}",
+                             daemon=True).start()
 
     def _end(self, f: Fault) -> None:
         if f.kind in ("kill", "syncer-crash"):
