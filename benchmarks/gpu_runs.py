@@ -71,15 +71,17 @@ def run_dp(setup: Setup, deadline: float, name: str = "dp", shards: int = 4, log
 
 
 def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline: float,
-                  dtypes: list[torch.dtype] | None = None, speeds: list[float] | None = None, log=print) -> Outcome:
+                  dtypes: list[torch.dtype] | None = None, speeds: list[float] | None = None, log=print,
+                  overrides: dict | None = None, trace=None) -> Outcome:
     """M learners on one device in one process, stepping in turn; a learner of speed s steps on a share s of the
-    turns. The syncer is the in-process LocalSyncer; rounds that wait for time close on its tick after every turn."""
+    turns. The syncer is the in-process LocalSyncer; rounds that wait for time close on its tick after every turn.
+    `overrides`: syncer settings over the preset's; `trace(tokens, loss, status)`: called at every evaluation."""
     from diloco import Learner, LocalSyncer, LocalTransport, for_mode
     from diloco.syncer.core import SyncerCore
 
     dtypes = dtypes or [torch.bfloat16] * learners
     speeds = speeds or [1.0] * learners
-    cfg = for_mode("decoupled", learners, preset=preset)
+    cfg = for_mode("decoupled", learners, preset=preset, **(overrides or {}))
     local = LocalSyncer(SyncerCore(cfg))
     reps = [Replica(setup, dtype) for dtype in dtypes]
     members = [Learner(rep.model, LocalTransport(local), f"l{i}", speed=speeds[i]) for i, rep in enumerate(reps)]
@@ -94,7 +96,10 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
 
     def global_loss() -> float:
         eval_model.load_state_dict(local.core.params())
-        return heldout_loss(eval_model, setup.eval_data, setup.device)
+        loss = heldout_loss(eval_model, setup.eval_data, setup.device)
+        if trace is not None:
+            trace(out.tokens, loss, local.core.status())
+        return loss
 
     try:
         while out.tokens < total:

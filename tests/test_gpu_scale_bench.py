@@ -151,3 +151,21 @@ def test_the_learner_profile_reports_host_times_and_waits_by_thread(tmp_path):
     assert result["plain"]["learner_host_max"] < result["learner"]["learner_host_median"] <= \
         result["learner"]["learner_host_max"]  # the plain loop never calls the Learner
     assert finite(result["learner"]["wall_per_step"]) and result["waits"]["training_thread"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace", [None, 0])
+def test_the_mixed_rounds_trace_shows_every_evaluation_and_ends_with_no_round_waiting(tmp_path, grace):
+    """benchmarks/mixed_rounds.py, short: a row per evaluation, rounds that only grow, and after every learner's
+    finish no fragment's round still holding a contribution."""
+    flags = [] if grace is None else ["--grace-expect-steps", str(grace)]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mixed_rounds.py"), "--tokens", "26880",
+                           "--evals", "5", "--out", str(tmp_path), *flags], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "," in line]
+    assert len(rows) == 5  # four during the run, the last one after every learner's finish
+    rounds = [int(r[2]) for r in rows]
+    assert rounds == sorted(rounds) and rounds[-1] > 0
+    assert rows[-1][3].strip() == "0 of 24"
+    summary = proc.stdout.splitlines()[-1]
+    assert summary.startswith(f"grace_expect_steps {24 if grace is None else 0}: final ")
