@@ -13,6 +13,7 @@ from torch import nn
 
 from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
 from diloco.syncer import annotations
+from diloco.syncer.server import dashboard_html
 from liveness import wait_for
 
 
@@ -97,11 +98,14 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
             h = json.loads(get(port, "/history")[1])
             a = h["learners"].get("a", {})
             return (h["global_eval"]["t"] and any(x is not None for x in a.get("loss", []))
-                    and any(c is not None for c in h["samples"]["contributors"]))
+                    and any(c is not None for c in h["samples"]["contributors"]) and h["faults"]["t"])
         wait_for(charted, timeout=30)
         status, history = json.loads(get(port, "/status")[1]), json.loads(get(port, "/history")[1])
         assert status["global_eval"][-1]["loss"] == 2.75 and status["faults"][-1]["target"] == "learner-1"
         assert history["global_eval"]["t"] == [3.0] and history["global_eval"]["loss"] == [2.75]
+        # the fault where the syncer heard of it (its own 4.0 s count from the run's first step, another origin)
+        heard = status["faults"][-1]["wall"] - status["started_unix"]
+        assert history["faults"]["event"] == ["start"] and abs(history["faults"]["t"][0] - heard) < 2e-3
         if shutil.which("node"):  # the page's script, run on them with a stand-in for the browser's DOM
             shown = render_in_node(page, status, history)
             assert '<td>a</td><td class="live">live</td>' in shown["learners"]
@@ -121,9 +125,42 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
             assert "global model (held-out)" in shown["loss-legend"] and ">a</span>" in shown["loss-legend"]
             assert "<b>2.750</b><span>global held-out loss</span>" in shown["figures"]
             assert "<td>kill</td><td>learner-1</td><td>20.0 s</td>" in shown["faults"]
+            start = history["faults"]["t"][0]  # a span behind every time chart's lines, on the same axis
+            for chart in ("loss", "tokens", "participation"):
+                assert f'data-fault="kill learner-1" data-start="{js(start)}" data-end="{js(start + 20.0)}"' in shown[chart]
+                assert "faults</span>" in shown[f"{chart}-legend"]
         learner.close()
     finally:
         syncer.stop()
+
+
+
+def test_faults_are_spans_on_the_charts_time_axis():
+    """A start lasts its duration and its end adds nothing; an end whose start the history no longer holds covers the
+    duration before it; a fault without a duration is a line. Placed on the axis every chart shares."""
+    if not shutil.which("node"):
+        import pytest
+
+        pytest.skip("no node on this machine: the browser test draws the page's faults")
+    page = dashboard_html().decode()
+    cols = {"t": [10.0, 15.0, 30.0, 40.0], "event": ["start", "end", "end", "start"],
+            "fault": ["kill", "kill", "hang", "partition"], "target": ["learner-1", "learner-1", "syncer", "learner-0"],
+            "duration": [5.0, 5.0, 3.0, None]}
+    samples = {"t": [0.0, 50.0], "rounds": [0, 9], "tokens_trained": [0, 900], "tokens_merged": [0, 800],
+               "live": [2, 2], "contributors": [2.0, 2.0]}
+    history = {"now": 50.0, "generation": 0, "samples": samples, "learners": {}, "global_eval": {"t": [], "loss": []},
+               "faults": cols}
+    shown = render_in_node(page, {"mode": "decoupled", "uptime_seconds": 100.0, "versions": [1, 1]}, history)
+    spans = re.findall(r'<rect x="([\d.]+)" y="4" width="([\d.]+)" [^>]* data-fault="([^"]+)" data-start="([\d.]+)" '
+                       r'data-end="([\d.]+)"', shown["tokens"])
+    assert [(name, float(a), float(b)) for _, _, name, a, b in spans] == [
+        ("kill learner-1", 10.0, 15.0), ("hang syncer", 27.0, 30.0), ("partition learner-0", 40.0, 40.0)]
+    scale = (400 - 34 - 8) / 100.0  # the stand-in's 400 px wide chart, 0 to 100 s (the syncer's uptime)
+    for x, width, _, a, b in spans:
+        assert abs(float(x) - (34 + float(a) * scale)) < 0.06
+        assert abs(float(width) - max(1.0, (float(b) - float(a)) * scale)) < 0.11
+    assert shown["tokens"].index("data-fault") < shown["tokens"].index("data-series")  # behind the lines
+    assert "no data yet" in shown["throughput"] and "faults</span>" in shown["throughput-legend"]
 
 
 def chromium() -> str | None:
@@ -149,8 +186,9 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
 
         def drawn_to_the_end() -> bool:  # a learner's point comes at the first sample (every 2 s) after its step
             step = json.loads(get(port, "/status")[1])["learners"][0]["step"]  # moved: the final heartbeat's too
-            series = json.loads(get(port, "/history")[1])["learners"]["browser-test"]
-            return len(series["t"]) >= 2 and series["step"][-1] == step
+            history = json.loads(get(port, "/history")[1])
+            series = history["learners"]["browser-test"]
+            return len(series["t"]) >= 2 and series["step"][-1] == step and history["faults"]["t"]
 
         wait_for(drawn_to_the_end, timeout=20)
         status, history = json.loads(get(port, "/status")[1]), json.loads(get(port, "/history")[1])
@@ -171,5 +209,7 @@ def test_the_dashboard_in_a_headless_browser_shows_what_status_says(tmp_path):
         first_sample = re.search(r'data-series="tokens merged" data-points="\d+" data-first="([\d.]+)"', tokens)
         assert first_sample and float(first_sample[1]) < 1.5 < opened  # from the syncer's start, before the page
         assert "browser-test</span>" in dom.split('id="loss-legend"', 1)[1].split("</div>", 1)[0]  # below the chart
+        ended = history["faults"]["t"][0]  # an end without its start: the 3 s before it, on the charts' axis
+        assert f'data-fault="hang syncer" data-start="{js(max(0.0, ended - 3.0))}" data-end="{js(ended)}"' in tokens
     finally:
         syncer.stop()

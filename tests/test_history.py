@@ -14,10 +14,10 @@ from diloco.syncer.history import History, Series
 from liveness import wait_for
 
 
-def status_at(t: float, learners=(), rounds=(), evals=()) -> dict:
+def status_at(t: float, learners=(), rounds=(), evals=(), faults=()) -> dict:
     return {"uptime_seconds": t, "started_unix": 1000.0, "rounds": int(t), "tokens_trained": int(10 * t),
             "tokens_merged": int(5 * t), "learners": list(learners), "recent_rounds": list(rounds),
-            "global_eval": list(evals)}
+            "global_eval": list(evals), "faults": list(faults)}
 
 
 def learner(name: str, step: int, loss=2.0, rate=100.0, state="live") -> dict:
@@ -64,7 +64,8 @@ def test_history_samples_every_interval_and_stays_bounded_over_a_long_run():
         assert 0 < len(cols["t"]) <= 20 and cols["t"] == sorted(cols["t"])
         assert set(cols) == {"t", "step", "loss", "tokens_per_second"}
     assert answer["generation"] > 0 and answer["now"] == samples["t"][-1]
-    assert answer["bounds"] == {"samples": 50, "learner_points": 20, "learners": 3, "global_eval": 1000}
+    assert answer["bounds"] == {"samples": 50, "learner_points": 20, "learners": 3, "global_eval": 1000,
+                                "faults": 1000}
 
 
 def test_more_moving_learners_than_the_bound_do_not_push_each_other_out():
@@ -93,6 +94,29 @@ def test_history_adds_a_learner_point_only_when_its_step_moved_and_takes_each_he
     later = history.json(since=7.0)  # what a page that read up to 7 s adds
     assert later["samples"]["t"] == [8.0, 9.0] and later["learners"] == {"b": later["learners"]["b"]}
     assert later["learners"]["b"]["t"] == [8.0, 9.0] and later["global_eval"]["t"] == []
+
+
+
+def test_faults_go_on_the_syncers_time_axis_once_each_and_the_latest_are_kept():
+    history = History(every=1.0, max_faults=10)
+    faults = []
+    for i in range(40):
+        if i % 2:  # the harness's seconds count from the run's first trained step: another origin than the syncer's
+            faults.append({"kind": "fault", "event": "start" if i % 4 == 1 else "end", "fault": "kill",
+                           "target": f"learner-{i % 3}", "seconds": i - 30.0, "duration": 2.0, "wall": 1000.0 + i - 0.5})
+        history.observe(status_at(float(i), faults=faults[-5:]))  # /status lists only the latest ones
+        if i == 3:
+            assert history.json()["faults"] == {"t": [0.5, 2.5], "event": ["start", "end"], "fault": ["kill", "kill"],
+                                                "target": ["learner-1", "learner-0"], "duration": [2.0, 2.0]}
+    answer = history.json()
+    t = answer["faults"]["t"]
+    assert t == [20.5 + 2 * k for k in range(10)]  # the latest ten, each once: no event of them thinned away
+    assert answer["faults"]["event"] == ["start", "end"] * 5 and answer["faults"]["target"][-1] == "learner-0"
+    assert answer["bounds"]["faults"] == 10 and answer["generation"] == 10  # a page holding dropped ones reloads
+    assert history.json(since=36.0)["faults"]["t"] == [36.5, 38.5]
+    unplaced = History(every=1.0)  # a fault without the syncer's time of hearing it cannot be placed
+    unplaced.observe(status_at(1.0, faults=[{"event": "start", "fault": "kill", "target": "x", "seconds": 1.0}]))
+    assert unplaced.json()["faults"]["t"] == []
 
 
 def get(url: str, token: str | None = None) -> tuple[int, bytes]:

@@ -3,8 +3,10 @@ so a page opened late shows the run from its start.
 
 A sample of the status every SAMPLE_SECONDS (rounds, tokens, live learners, contributors per round), a point per
 learner whenever its step moved (step, loss, tokens per second; at most MAX_LEARNERS learners: a new one takes the
-place of the one whose step moved least recently), and the global model's held-out losses posted to /annotate. Every series is on one time axis: seconds since
-the syncer started (`uptime_seconds` of /status; the held-out losses carry the snapshot's seconds, the same clock).
+place of the one whose step moved least recently), the global model's held-out losses and the faults posted to
+/annotate. Every series is on one time axis: seconds since the syncer started (`uptime_seconds` of /status; the
+held-out losses carry the snapshot's seconds, the same clock; a fault is placed when the syncer heard of it, since
+the harness counts its seconds from the run's first trained step).
 
 Each series holds at most its cap of points. When full, every other older point is dropped (the first and the
 newest kept, time order unchanged) and new points come no closer together than the thinned ones: the whole run
@@ -27,10 +29,13 @@ MAX_LEARNERS = 16
 """Learners whose series are kept: the ones whose step moved most recently."""
 MAX_EVALS = 1000
 """Held-out losses of the global model kept."""
+MAX_FAULTS = 1000
+"""Fault starts and ends kept: the latest ones."""
 
 SAMPLE_FIELDS = ("rounds", "tokens_trained", "tokens_merged", "live", "contributors")
 LEARNER_FIELDS = ("step", "loss", "tokens_per_second")
 EVAL_FIELDS = ("loss", "tokens_trained")
+FAULT_FIELDS = ("event", "fault", "target", "duration")
 
 
 def _rounded(x, digits: int):
@@ -38,15 +43,26 @@ def _rounded(x, digits: int):
     return round(x, digits) if isinstance(x, float) and x == x and abs(x) != float("inf") else x
 
 
+def _after(entries: list[dict], last: tuple | None, fields: tuple[str, ...]) -> tuple[list[dict], tuple | None]:
+    """The entries of a status list (oldest first, the oldest dropped as it grows) that come after the one whose
+    `fields` were `last`, and the newest one's fields: what the next call passes as `last`."""
+    keys = [tuple(e.get(k) for k in fields) for e in entries]
+    new = entries
+    if last is not None and last in keys:
+        new = entries[len(keys) - keys[::-1].index(last):]
+    return new, (keys[-1] if keys else last)
+
+
 class Series:
     """Points (t, *fields) in time order, at most `cap` of them, each remembering when it was added (the cursor
     of `since`). When full, thinned: every other point but the newest is dropped, and the spacing new points need
-    becomes the average spacing of what is left."""
+    becomes the average spacing of what is left. With `latest`, the oldest point is dropped instead (events, where
+    every one counts and half of them would mean nothing)."""
 
-    def __init__(self, fields: tuple[str, ...], cap: int, every: float = 0.0):
+    def __init__(self, fields: tuple[str, ...], cap: int, every: float = 0.0, latest: bool = False):
         if cap < 3:
             raise ValueError("a series keeps at least 3 points")
-        self.fields, self.cap, self.every = fields, cap, every
+        self.fields, self.cap, self.every, self.latest = fields, cap, every, latest
         self.rows: list[tuple] = []  # (added, t, *values)
         self.thinned = 0
 
@@ -68,6 +84,10 @@ class Series:
         return True
 
     def thin(self) -> None:
+        if self.latest:
+            del self.rows[0]
+            self.thinned += 1
+            return
         kept = self.rows[:-1:2] + [self.rows[-1]]  # the first point, every other one after it, the newest
         span = kept[-1][1] - kept[0][1]
         self.every = max(self.every, span / (len(kept) - 1))
@@ -86,10 +106,11 @@ class History:
 
     def __init__(self, every: float = SAMPLE_SECONDS, max_samples: int = MAX_SAMPLES,
                  max_learner_points: int = MAX_LEARNER_POINTS, max_learners: int = MAX_LEARNERS,
-                 max_evals: int = MAX_EVALS):
+                 max_evals: int = MAX_EVALS, max_faults: int = MAX_FAULTS):
         self.samples = Series(SAMPLE_FIELDS, max_samples, every)
         self.learners: OrderedDict[str, Series] = OrderedDict()  # least recently moved first
         self.evals = Series(EVAL_FIELDS, max_evals)
+        self.faults = Series(FAULT_FIELDS, max_faults, latest=True)
         self.max_learner_points, self.max_learners = max_learner_points, max_learners
         self.started_unix: float | None = None
         self.last: float | None = None  # seconds of the latest sample: the cursor
@@ -97,13 +118,14 @@ class History:
         self._steps: dict[str, int] = {}  # each learner's step in the latest sample (those the status lists)
         self._dropped: set[str] = set()  # learners dropped for newer ones, while the status still lists them
         self._last_eval: tuple | None = None  # the newest held-out loss taken from the status
+        self._last_fault: tuple | None = None  # the newest fault taken from the status
         self._lock = threading.Lock()
 
     @property
     def generation(self) -> int:
         """Changes whenever points already served were dropped (thinning, a forgotten learner): a reader holding
         them reloads the whole history instead of adding to what it has."""
-        return (self.samples.thinned + self.evals.thinned + self.forgotten
+        return (self.samples.thinned + self.evals.thinned + self.faults.thinned + self.forgotten
                 + sum(s.thinned for s in self.learners.values()))
 
     def observe(self, status: dict) -> bool:
@@ -127,6 +149,7 @@ class History:
             self._steps = {x["id"]: x.get("step") for x in learners if isinstance(x.get("id"), str)}
             self._dropped &= set(self._steps)
             self._eval_points(t, status.get("global_eval") or [])
+            self._fault_points(t, status.get("faults") or [])
             self.last = t
             return True
 
@@ -148,18 +171,21 @@ class History:
         series.add(t, t, step, _rounded(loss, 5), _rounded(rate, 1))
 
     def _eval_points(self, t: float, evals: list[dict]) -> None:
-        keys = [(e.get("wall"), e.get("seconds"), e.get("loss")) for e in evals]
-        new = evals
-        if self._last_eval is not None and self._last_eval in keys:
-            new = evals[len(keys) - keys[::-1].index(self._last_eval):]
+        new, self._last_eval = _after(evals, self._last_eval, ("wall", "seconds", "loss"))
         for e in new:
             seconds = e.get("seconds")
             if seconds is None and e.get("wall") is not None and self.started_unix is not None:
                 seconds = max(0.0, e["wall"] - self.started_unix)  # a loss posted without the snapshot's time
             if seconds is not None and e.get("loss") is not None:
                 self.evals.add(t, round(float(seconds), 3), _rounded(e["loss"], 5), e.get("tokens_trained"))
-        if keys:
-            self._last_eval = keys[-1]
+
+    def _fault_points(self, t: float, faults: list[dict]) -> None:
+        new, self._last_fault = _after(faults, self._last_fault, ("wall", "event", "fault", "target"))
+        for f in new:
+            wall = f.get("wall")
+            if isinstance(wall, (int, float)) and self.started_unix is not None:
+                self.faults.add(t, round(max(0.0, wall - self.started_unix), 3), f.get("event"), f.get("fault"),
+                                f.get("target"), f.get("duration"))
 
     def json(self, since: float | None = None) -> dict:
         """What /history serves: the points added after `since` (a previous answer's `now`), all for None."""
@@ -174,6 +200,7 @@ class History:
                 "samples": self.samples.columns(since),
                 "learners": {name: cols for name, cols in learners.items() if cols["t"]},
                 "global_eval": self.evals.columns(since),
+                "faults": self.faults.columns(since),
                 "bounds": {"samples": self.samples.cap, "learner_points": self.max_learner_points,
-                           "learners": self.max_learners, "global_eval": self.evals.cap},
+                           "learners": self.max_learners, "global_eval": self.evals.cap, "faults": self.faults.cap},
             }
