@@ -26,6 +26,7 @@ from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer import initial_model
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.credentials import Credentials
+from diloco.syncer import history_file
 from diloco.syncer.history import History
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService
@@ -175,6 +176,8 @@ def health(core: SyncerCore) -> dict:
 
 
 FALLBACK_PREFIX = "diloco-final-"
+HISTORY_FILE = "history.json"
+"""The dashboard's history in the state folder (`history_file`)."""
 
 
 def _write_final(out: Path, name: str, write, fallback: list[Path]) -> Path | None:
@@ -349,7 +352,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     store = (StateStore(opts.out / "state", recover=opts.recover, key=opts.state_key,
                         accept_rollback=opts.accept_rollback) if opts.out else None)
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
-    if core.restore():
+    resumed = core.restore()
+    if resumed:
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
     if opts.out:
         core.tape = Tape(opts.out / "tape.jsonl")
@@ -379,6 +383,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     service.annotations = Annotations(tape=core.tape)
     beat: dict = {}
     history = History()  # what the dashboard's charts draw, for the whole run (/history)
+    if opts.out and resumed:
+        _resume_history(history, opts.out / HISTORY_FILE, core.started_unix)
     http = (_http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""], service.annotations,
                          beat, history) if opts.http else None)
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
@@ -398,7 +404,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     rounds = asyncio.create_task(service.run_rounds(stop))
     next_snapshot = core.clock() + opts.snapshot_seconds
     next_tokens = opts.snapshot_tokens
-    snapshot_errors = Throttled(log)
+    write_errors = Throttled(log)
+    next_history_save = time.monotonic() + history_file.SAVE_SECONDS
     progress = ProgressLine()
     try:
         while not stop.is_set():
@@ -420,14 +427,19 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
                 try:
                     await service._core(_snapshot, core, opts.out, status)
                 except OSError as e:
-                    snapshot_errors.error("snapshot", f"cannot write a snapshot to "
+                    write_errors.error("snapshot", f"cannot write a snapshot to "
                                           f"{e.filename or opts.out / 'snapshots'}: [Errno {e.errno}] {e.strerror}")
+            if opts.out and time.monotonic() >= next_history_save:
+                next_history_save = time.monotonic() + history_file.SAVE_SECONDS
+                await _save_history(history, opts.out / HISTORY_FILE, write_errors)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
     finally:
         log.info("syncer shutting down: merging what is pending")
+        if opts.out:
+            await _save_history(history, opts.out / HISTORY_FILE, write_errors)
         core.stopping = True
         await rounds
         await service.drain()
@@ -468,6 +480,25 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         else:  # shown at the default log level: it needs the operator
             log.warning("syncer stopped; the final model is %s (a fallback folder: copy it somewhere safe)", model)
     return status
+
+
+def _resume_history(history: History, path: Path, started_unix: float) -> None:
+    """The dashboard's history of the run the state resumes, from `path` when it is there and sound."""
+    problem = history_file.load(path, history, started_unix)
+    if problem:
+        log.warning("the dashboard's charts start anew: %s", problem)
+    elif history.last is not None:
+        log.info("the dashboard's charts resume from %s (%d samples, up to %.0f s)", path, len(history.samples),
+                 history.last)
+
+
+async def _save_history(history: History, path: Path, errors: Throttled) -> None:
+    """Writes the history off the event loop; a disk that refuses is logged (throttled), never fatal."""
+    try:
+        await asyncio.to_thread(history_file.save, path, history_file.dump(history))
+    except OSError as e:
+        errors.error("history", f"cannot write the dashboard's history to {e.filename or path}: "
+                                f"[Errno {e.errno}] {e.strerror}")
 
 
 class ModelNotSaved(OSError):
