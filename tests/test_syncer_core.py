@@ -588,6 +588,65 @@ def test_departed_learners_are_forgotten_after_a_while_and_beyond_a_cap(monkeypa
     assert core.learners["x0"].session == live and core.learners["x0"].data_position == 0
 
 
+def test_a_restarted_learner_counts_from_zero_and_what_it_trained_before_still_counts(tmp_path):
+    from diloco.syncer.store import StateStore
+
+    core, _ = make_core()
+    core.token_budget = 3000
+    core.store = StateStore(tmp_path)
+    first = core.join("a", SPECS)
+    for fragment in range(3):  # every token trains every fragment: 1000 tokens carried
+        assert push(core, "a", first, 1 + fragment, fragment=fragment, tokens=1000).accepted
+    assert not core.heartbeat("a", first, tokens_trained=1000)
+    assert core.tokens_trained() == core.budget_tokens() == 1000
+    again = core.join("a", SPECS)  # the process restarted: its count begins at 0 in its new session
+    core.heartbeat("a", again, tokens_trained=200)
+    assert core.tokens_trained() == 1200 and core.budget_tokens() == 1200  # not 200: the budget never goes back
+    assert core.status()["learners"][0]["tokens"] == 1200
+    for fragment in range(3):
+        assert push(core, "a", again, 1 + fragment, fragment=fragment, tokens=1800).accepted
+    assert core.heartbeat("a", again, tokens_trained=2000)  # 1000 + 2000 spend the budget of 3000
+    core.poll(force=True)
+    core.persist(range(len(core.fragments)))
+    resumed, _ = make_core()  # the syncer restarted: the session goes on counting from where it was
+    resumed.store, resumed.token_budget = StateStore(tmp_path), 3000
+    assert resumed.restore() and resumed.tokens_trained() == 3000
+    resumed.heartbeat("a", again, tokens_trained=2100)
+    assert resumed.tokens_trained() == 3100
+
+
+def test_forgotten_learners_tokens_still_count_in_the_budget_and_across_a_restart(tmp_path):
+    from diloco.syncer.store import StateStore
+
+    core, clock = make_core(absent_after_seconds=10.0, forget_after_seconds=100.0)
+    core.token_budget = 10_000
+    core.store = StateStore(tmp_path)
+    for name in ("a", "b"):
+        session = core.join(name, SPECS)
+        for fragment in range(3):
+            assert push(core, name, session, 1 + fragment, fragment=fragment, tokens=1000).accepted
+        core.heartbeat(name, session, tokens_trained=1000)
+    core.poll(force=True)
+    merged = core.tokens_merged()
+    assert core.tokens_trained() == core.budget_tokens() == 2000 and merged > 0
+    clock.now += 200
+    assert core.expire() == ["a", "b"] and core.learners == {}
+    assert (core.tokens_trained(), core.budget_tokens(), core.tokens_merged()) == (2000, 2000, merged)
+    core.persist([])
+    resumed, _ = make_core(absent_after_seconds=10.0, forget_after_seconds=100.0)
+    resumed.store = StateStore(tmp_path)
+    assert resumed.restore()
+    assert (resumed.tokens_trained(), resumed.budget_tokens(), resumed.tokens_merged()) == (2000, 2000, merged)
+    from diloco.syncer import persistence
+    from diloco.syncer.store import Damaged
+
+    for bad in ({"trained": -1, "budget": 0, "merged": 0}, {"trained": 0, "budget": float("nan"), "merged": 0},
+                {"trained": 0, "budget": float("inf"), "merged": 0}, {"trained": True, "budget": 0, "merged": 0},
+                {"trained": 0}, [0, 0, 0]):
+        with pytest.raises(Damaged, match="departed_tokens is not three token counts"):
+            persistence._departed(bad, "ledger-00000001.json")
+
+
 def test_publishing_to_live_learners_sends_the_round_unasked_to_those_that_did_not_push():
     core, clock = make_core(learners=3, grace=0.0, publish_to="live", down_codec="fp32")
     sa, sb = core.join("a", SPECS), core.join("b", SPECS)

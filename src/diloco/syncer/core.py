@@ -86,6 +86,8 @@ class SyncerCore(Membership, RoundTiming):
         self.buffers = Buffers()
         """Decoded pushes and RDA sums, reused (sized by `bound_buffers` once the fragments are known)."""
         self.learners: dict[str, LearnerRecord] = {}
+        self.departed = {"trained": 0, "budget": 0.0, "merged": 0.0}
+        """Tokens trained, counted by the budget and merged of the learners forgotten (`expire`)."""
         self.quorum_avg = MovingAverage()
         self.sync_avg = MovingAverage()
         self.rounds = 0
@@ -230,6 +232,7 @@ class SyncerCore(Membership, RoundTiming):
             if record is None:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
+            record.tokens_base = record.tokens_trained  # the new session counts from 0: what it trained still counts
             record.session, record.joined_at, record.last_seen, record.left, record.left_at = session, now, now, False, None
             record.credential = credential or learner_id
             record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None

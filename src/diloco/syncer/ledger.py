@@ -39,6 +39,9 @@ class LearnerRecord:
     """When it last left the run on its own (a leave, not an absence); None while it is in it."""
     step: int = 0
     tokens_trained: int = 0
+    """Tokens it trained in all its sessions: its current session's count (its heartbeats) on `tokens_base`."""
+    tokens_base: int = 0
+    """Tokens it trained in its earlier sessions, as last heard: a learner that restarts counts from 0 again."""
     tokens_merged: float = 0.0
     """Σ tokens of this learner's merged contributions, divided by P (each token trains every fragment)."""
     data_position: int = 0
@@ -79,7 +82,7 @@ class LearnerRecord:
 
     SAVED = ("id", "left", "step", "tokens_trained", "tokens_merged", "data_position", "loss",
              "tokens_per_second", "pushes", "merged", "refused", "applied", "speed", "merged_seq",
-             "credential", "tokens_accepted")
+             "credential", "tokens_accepted", "tokens_base")
 
     @property
     def session_hash(self) -> str:
@@ -109,7 +112,7 @@ class LearnerRecord:
         if not isinstance(record.restored_hash, str):
             raise TypeError(f"session_hash of learner {record.id!r} is not a string")
         for k in cls.SAVED:
-            if k in data or k not in ("credential", "tokens_accepted"):  # both absent from older ledgers
+            if k in data or k not in ("credential", "tokens_accepted", "tokens_base"):  # absent from older ledgers
                 setattr(record, k, data[k])
         record.merged_seq = hashed_seqs(record.merged_seq)  # a ledger saved with secrets in it: hashed now
         record.step_time.value, record.contribution_tokens.value = data["step_time"], data["contribution_tokens"]

@@ -33,6 +33,8 @@ class Membership:
             if self.training_started_at is None and (progress.get("tokens_trained") or 0) > 0:
                 self.training_started_at = record.last_seen  # a duration counts training, not start-up
             progress.pop("data_position", None)  # the ledger's position moves only when work is merged
+            if progress.get("tokens_trained") is not None:  # the session's count, on its earlier sessions'
+                progress["tokens_trained"] += record.tokens_base
             step_seconds = progress.pop("step_seconds", None)
             if step_seconds:
                 record.step_time.update(step_seconds)
@@ -76,8 +78,11 @@ class Membership:
             excess = max(0, len(departed) - DEPARTED_KEPT)
             gone = [r.id for i, r in enumerate(departed)
                     if i < excess or now - r.last_seen > self.cfg.forget_after_seconds]
-            for learner_id in gone:
-                del self.learners[learner_id]
+            for learner_id in gone:  # what they trained and got merged still counts, in the budget too
+                r = self.learners.pop(learner_id)
+                self.departed["trained"] += r.tokens_trained
+                self.departed["budget"] += self._budget_tokens(r)
+                self.departed["merged"] += r.tokens_merged
         if gone:
             self.record_event("forgotten", learners=gone)
             self.persist([])
@@ -98,16 +103,18 @@ class Membership:
 
     def tokens_trained(self) -> int:
         with self.lock:
-            return sum(r.tokens_trained for r in self.learners.values())
+            return self.departed["trained"] + sum(r.tokens_trained for r in self.learners.values())
 
     def budget_tokens(self) -> int:
         """Tokens the budget and the learning-rate progress count: per learner what its heartbeats report, but never
         more than its accepted pushes carried plus two cycles (2·H steps) at its accepted tokens per step (what it
-        trained since its latest pushes). A claim in a heartbeat alone spends nothing."""
+        trained since its latest pushes). A claim in a heartbeat alone spends nothing. Forgotten learners' count
+        as when they were forgotten."""
         with self.lock:
-            slack = 2 * self.cfg.sync_every
-            return int(sum(min(r.tokens_trained, r.tokens_accepted + slack * r.step_tokens)
-                           for r in self.learners.values()))
+            return int(self.departed["budget"] + sum(self._budget_tokens(r) for r in self.learners.values()))
+
+    def _budget_tokens(self, r: LearnerRecord) -> float:
+        return min(r.tokens_trained, r.tokens_accepted + 2 * self.cfg.sync_every * r.step_tokens)
 
     def pushing(self, learners) -> frozenset[str]:
         """Those of `learners` that push: a push accepted in their current session within two cycles (H of their
@@ -125,7 +132,7 @@ class Membership:
 
     def tokens_merged(self) -> int:
         with self.lock:
-            return sum(r.tokens_merged for r in self.learners.values())
+            return self.departed["merged"] + sum(r.tokens_merged for r in self.learners.values())
 
     def averages(self) -> Averages:
         with self.lock:

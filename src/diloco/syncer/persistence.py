@@ -35,6 +35,7 @@ def ledger(core) -> dict:
         "sync_avg": core.sync_avg.value,
         "refusals": core.refusals,
         "learners": [r.to_json() for r in core.learners.values()],
+        "departed_tokens": dict(core.departed),
     }
 
 
@@ -205,4 +206,13 @@ def restore(core) -> bool:
     if isinstance(elapsed, (int, float)) and 0 <= elapsed < float("inf"):
         core.training_started_at = now - elapsed
     core.learners = {d["id"]: LearnerRecord.from_json(d, now) for d in led["learners"]}
+    core.departed = _departed(led.get("departed_tokens", core.departed), loaded.files["ledger"])  # older: none
     return True
+
+
+def _departed(value, ledger_name: str) -> dict:
+    """The forgotten learners' tokens of a ledger: three counts, none negative or infinite."""
+    if (not isinstance(value, dict) or set(value) != {"trained", "budget", "merged"}
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**63 for v in value.values())):
+        raise Damaged(ledger_name, f"departed_tokens is not three token counts ({value!r})")
+    return {"trained": int(value["trained"]), "budget": float(value["budget"]), "merged": float(value["merged"])}
