@@ -108,6 +108,28 @@ def test_learners_hear_how_much_of_the_budget_is_spent():
         syncer.stop()
 
 
+def test_a_learner_that_restarts_keeps_what_it_trained_in_the_runs_tokens_and_budget():
+    cfg = for_mode("decoupled", 1, fragments=2, sync_every=4, heartbeat_seconds=0.1)
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, token_budget=16 * 100))
+    core = syncer.service.core
+    try:
+        model = net()
+        first = Learner(model, GrpcTransport(syncer.address), "a")
+        steps(first, model, torch.optim.AdamW(model.parameters(), 1e-2), 25)  # 400 tokens, heard up to 240 or more
+        wait_for(lambda: core.tokens_trained() >= 240 and (first.budget_progress or 0.0) >= 0.15)
+        first.transport.close()  # the process dies: no leave, and its successor counts from 0
+        heard, progress = core.tokens_trained(), core.budget_progress()
+        model = net()
+        again = Learner(model, GrpcTransport(syncer.address), "a")
+        steps(again, model, torch.optim.AdamW(model.parameters(), 1e-2), 10)  # 160 tokens in its new session
+        # the new session's count adds to the old one's, and the learner hears the budget from there on
+        wait_for(lambda: core.tokens_trained() > heard and again.budget_progress is not None, timeout=30)
+        assert core.budget_progress() >= progress and again.budget_progress >= progress
+        again.finish()
+    finally:
+        syncer.stop()
+
+
 def test_a_learner_joining_a_streaming_run_late_pushes_in_phase_and_nobody_waits_forever():
     # K = all and learners block on merges: a joiner that started its schedule at fragment 0 would wait for a merge
     # its peer never pushes towards, while the peer's round waits for it
