@@ -163,6 +163,26 @@ def test_faults_are_spans_on_the_charts_time_axis():
     assert "no data yet" in shown["throughput"] and "faults</span>" in shown["throughput-legend"]
 
 
+
+def test_a_learners_line_breaks_where_it_was_gone():
+    """No line is drawn across the time a learner was down (three of its usual spacings without a point, or three
+    sampling intervals); a learner that steps rarely still draws one line."""
+    if not shutil.which("node"):
+        import pytest
+
+        pytest.skip("no node on this machine: the browser test draws the page's lines")
+    down = [0.0, 2.0, 4.0, 6.0, 20.0, 22.0, 24.0]  # gone from 6 s to 20 s
+    rare = [0.0, 10.0, 20.0, 30.0]  # a slow learner: a step every 10 s
+    learners = {name: {"t": t, "step": list(range(len(t))), "loss": [2.0] * len(t),
+                       "tokens_per_second": [100.0 + i for i in range(len(t))]} for name, t in (("a", down), ("b", rare))}
+    history = {"now": 30.0, "generation": 0, "every": 2.0, "learners": learners, "samples": {"t": []},
+               "global_eval": {"t": [], "loss": []}, "faults": {"t": []}}
+    shown = render_in_node(dashboard_html().decode(), {"mode": "decoupled", "uptime_seconds": 30.0}, history)
+    paths = dict(re.findall(r'<path d="([^"]+)"[^>]* data-series="([ab])"', shown["throughput"])[i][::-1] for i in range(2))
+    assert paths["a"].count("M") == 2 and paths["a"].count("L") == 5  # two pieces: 0 to 6 s, 20 to 24 s
+    assert paths["b"].count("M") == 1 and paths["b"].count("L") == 3
+
+
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
