@@ -428,8 +428,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
                     await service._core(_snapshot, core, opts.out, status)
                 except OSError as e:
                     write_errors.error("snapshot", f"cannot write a snapshot to "
-                                          f"{e.filename or opts.out / 'snapshots'}: [Errno {e.errno}] {e.strerror}")
-            if opts.out and time.monotonic() >= next_history_save:
+                                       f"{e.filename or opts.out / 'snapshots'}: [Errno {e.errno}] {e.strerror}")
+            if opts.out and core.initialized and time.monotonic() >= next_history_save:
                 next_history_save = time.monotonic() + history_file.SAVE_SECONDS
                 await _save_history(history, opts.out / HISTORY_FILE, write_errors)
             try:
@@ -438,7 +438,7 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
                 pass
     finally:
         log.info("syncer shutting down: merging what is pending")
-        if opts.out:
+        if opts.out and core.initialized:  # a syncer that never served has no run to chart
             await _save_history(history, opts.out / HISTORY_FILE, write_errors)
         core.stopping = True
         await rounds
