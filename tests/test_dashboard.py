@@ -60,7 +60,9 @@ def render_in_node(page: str, status: dict, history: dict) -> dict[str, str]:
     program = (f"const STATUS = {json.dumps(status)}; const HISTORY = {json.dumps(history)};" + STAND_IN + script +
                "\nsetImmediate(() => console.log(JSON.stringify(Object.fromEntries(Object.entries(elements)"
                ".map(([k, v]) => [k, v.innerHTML || v.textContent])))));")
-    out = subprocess.run(["node", "-e", program], capture_output=True, text=True, timeout=60)
+    node = shutil.which("node")
+    assert node, "the dashboard's tests run its script under node: install it (apt-get install nodejs); .ci/run does"
+    out = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -106,29 +108,29 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         # the fault where the syncer heard of it (its own 4.0 s count from the run's first step, another origin)
         heard = status["faults"][-1]["wall"] - status["started_unix"]
         assert history["faults"]["event"] == ["start"] and abs(history["faults"]["t"][0] - heard) < 2e-3
-        if shutil.which("node"):  # the page's script, run on them with a stand-in for the browser's DOM
-            shown = render_in_node(page, status, history)
-            assert '<td>a</td><td class="live">live</td>' in shown["learners"]
-            assert shown["versions"].count("<rect") == 2
-            contributors = [c for c in history["samples"]["contributors"] if c is not None]
-            assert f'data-points="{len(contributors)}"' in shown["participation"]
-            assert "healthy" in shown["health"] and shown["error"] == ""
-            a = history["learners"]["a"]  # each chart draws the syncer's history: the points that have a value
-            losses = [t for t, x in zip(a["t"], a["loss"]) if x is not None]
-            rates = [t for t, x in zip(a["t"], a["tokens_per_second"]) if x is not None]
-            assert f'data-series="a" data-points="{len(losses)}" data-first="{js(losses[0])}"' in shown["loss"]
-            # a learner's rate comes with its later heartbeats: its few steps here may all be sampled before one
-            assert (f'data-series="a" data-points="{len(rates)}"' if rates else "no data yet") in shown["throughput"]
-            assert 'data-series="global model (held-out)" data-points="1" data-first="3"' in shown["loss"]
-            for name in ("tokens trained", "tokens merged"):
-                assert f'data-series="{name}" data-points="{len(history["samples"]["t"])}"' in shown["tokens"]
-            assert "global model (held-out)" in shown["loss-legend"] and ">a</span>" in shown["loss-legend"]
-            assert "<b>2.750</b><span>global held-out loss</span>" in shown["figures"]
-            assert "<td>kill</td><td>learner-1</td><td>20.0 s</td>" in shown["faults"]
-            start = history["faults"]["t"][0]  # a span behind every time chart's lines, on the same axis
-            for chart in ("loss", "tokens", "participation"):
-                assert f'data-fault="kill learner-1" data-start="{js(start)}" data-end="{js(start + 20.0)}"' in shown[chart]
-                assert "faults</span>" in shown[f"{chart}-legend"]
+        # the page's script, run on them with a stand-in for the browser's DOM
+        shown = render_in_node(page, status, history)
+        assert '<td>a</td><td class="live">live</td>' in shown["learners"]
+        assert shown["versions"].count("<rect") == 2
+        contributors = [c for c in history["samples"]["contributors"] if c is not None]
+        assert f'data-points="{len(contributors)}"' in shown["participation"]
+        assert "healthy" in shown["health"] and shown["error"] == ""
+        a = history["learners"]["a"]  # each chart draws the syncer's history: the points that have a value
+        losses = [t for t, x in zip(a["t"], a["loss"]) if x is not None]
+        rates = [t for t, x in zip(a["t"], a["tokens_per_second"]) if x is not None]
+        assert f'data-series="a" data-points="{len(losses)}" data-first="{js(losses[0])}"' in shown["loss"]
+        # a learner's rate comes with its later heartbeats: its few steps here may all be sampled before one
+        assert (f'data-series="a" data-points="{len(rates)}"' if rates else "no data yet") in shown["throughput"]
+        assert 'data-series="global model (held-out)" data-points="1" data-first="3"' in shown["loss"]
+        for name in ("tokens trained", "tokens merged"):
+            assert f'data-series="{name}" data-points="{len(history["samples"]["t"])}"' in shown["tokens"]
+        assert "global model (held-out)" in shown["loss-legend"] and ">a</span>" in shown["loss-legend"]
+        assert "<b>2.750</b><span>global held-out loss</span>" in shown["figures"]
+        assert "<td>kill</td><td>learner-1</td><td>20.0 s</td>" in shown["faults"]
+        start = history["faults"]["t"][0]  # a span behind every time chart's lines, on the same axis
+        for chart in ("loss", "tokens", "participation"):
+            assert f'data-fault="kill learner-1" data-start="{js(start)}" data-end="{js(start + 20.0)}"' in shown[chart]
+            assert "faults</span>" in shown[f"{chart}-legend"]
         learner.close()
     finally:
         syncer.stop()
@@ -138,10 +140,6 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
 def test_faults_are_spans_on_the_charts_time_axis():
     """A start lasts its duration and its end adds nothing; an end whose start the history no longer holds covers the
     duration before it; a fault without a duration is a line. Placed on the axis every chart shares."""
-    if not shutil.which("node"):
-        import pytest
-
-        pytest.skip("no node on this machine: the browser test draws the page's faults")
     page = dashboard_html().decode()
     cols = {"t": [10.0, 15.0, 30.0, 40.0], "event": ["start", "end", "end", "start"],
             "fault": ["kill", "kill", "hang", "partition"], "target": ["learner-1", "learner-1", "syncer", "learner-0"],
@@ -167,10 +165,6 @@ def test_faults_are_spans_on_the_charts_time_axis():
 def test_a_learners_line_breaks_where_it_was_gone():
     """No line is drawn across the time a learner was down (three of its usual spacings without a point, or three
     sampling intervals); a learner that steps rarely still draws one line."""
-    if not shutil.which("node"):
-        import pytest
-
-        pytest.skip("no node on this machine: the browser test draws the page's lines")
     down = [0.0, 2.0, 4.0, 6.0, 20.0, 22.0, 24.0]  # gone from 6 s to 20 s
     rare = [0.0, 10.0, 20.0, 30.0]  # a slow learner: a step every 10 s
     learners = {name: {"t": t, "step": list(range(len(t))), "loss": [2.0] * len(t),

@@ -27,8 +27,10 @@ MAX_BYTES = 64 << 20
 
 def dump(history: History) -> dict:
     """Everything `load` needs to rebuild `history`, as JSON-ready lists (a consistent copy, taken under its lock)."""
+    def series(s: Series) -> dict:
+        return {"every": s.every, "thinned": s.thinned, "rows": [list(r) for r in s.rows]}
+
     with history._lock:
-        series = lambda s: {"every": s.every, "thinned": s.thinned, "rows": [list(r) for r in s.rows]}  # noqa: E731
         return {"format": FORMAT, "started_unix": history.started_unix, "last": history.last,
                 "forgotten": history.forgotten, "samples": series(history.samples), "evals": series(history.evals),
                 "faults": series(history.faults),
