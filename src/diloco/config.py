@@ -34,7 +34,9 @@ class SyncConfig:
     """Named mode that chose the defaults below: decoupled, streaming or diloco (dp has no syncer)."""
     preset: str = "default"
     """default: this project's measured choices on top of the mode; paper: the published algorithm exactly (every
-    mechanism below marked as ours off, DiLoCo's η = 0.7 and μ = 0.9, merged fragments sent back in fp32)."""
+    mechanism below marked as ours off, DiLoCo's η = 0.7 and μ = 0.9, merged fragments sent back in fp32). With K = 1
+    the paper's Nesterov step on every round is unstable (docs/results.md, "The paper preset"); `momentum_every`
+    is the published remedy."""
     fragments: int = 24
     """P: number of fragments the model is split into; one is exchanged every H/P steps."""
     sync_every: int = 24
@@ -94,6 +96,13 @@ class SyncConfig:
     delayed_momentum: bool = True
     """Ours. Advance the outer momentum once per full round's worth of contributions; partial rounds take plain
     steps in between. Identical to Nesterov when every round is full; keeps K = 1 from diverging."""
+    momentum_every: int = 1
+    """Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"): advance the outer
+    momentum once every N = this many rounds' worth of contributions (counted in shares with `delayed_momentum`, else
+    in rounds), with the mean of their Δ; the rounds in between take plain steps Θ ← Θ − η·Δ/N. Over N rounds Θ then
+    moves as one synchronous DiLoCo round would on their mean Δ. 1: every (full) round. With K = 1 each round holds about one learner, so
+    N = M makes the momentum see about one synchronous round's progress at a time; DiLoCo's η 0.7 / μ 0.9 applied to
+    every such round extrapolates stale, one-learner progress and diverged (docs/results.md, "The paper preset")."""
     outer_lr: float = 0.7
     """η of the Nesterov outer optimizer (DiLoCo's 0.7; decoupled mode uses 1.0)."""
     outer_momentum: float = 0.9
@@ -273,5 +282,8 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
     if not cfg.forget_after_seconds > cfg.absent_after_seconds:
         raise ValueError(f"forget_after_seconds ({cfg.forget_after_seconds}) must exceed absent_after_seconds "
                          f"({cfg.absent_after_seconds})")
+    if cfg.momentum_every < 1:
+        raise ValueError(f"--momentum-every must be at least 1 (1: the momentum advances on every round), "
+                         f"got {cfg.momentum_every}")
     if cfg.max_staleness < 0:
         raise ValueError(f"max staleness must be non-negative, got {cfg.max_staleness}")

@@ -65,7 +65,7 @@ class LocalTransport(HeartbeatNews):
         with self.local.lock:
             core = self.local.core
             result = core.push(self.learner_id, self.session, job.seq, job.fragment, job.base_version, job.steps,
-                               job.tokens, payload, job.data_position)
+                               job.tokens, payload, job.data_position, final=job.final)
             if not result.accepted and result.resync:
                 self.local.receivers[self.learner_id].accept(core.resync(self.learner_id, self.session, job.fragment, job.seq),
                                                              "" if result.accepted else result.reason)

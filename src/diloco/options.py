@@ -19,7 +19,7 @@ REPEAT_PUSHES = static.constant("diloco.config", "REPEAT_PUSHES")
 
 SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
-              "absent_after_seconds", "delayed_momentum", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
+              "absent_after_seconds", "delayed_momentum", "momentum_every", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds", "direction_floor",
               "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual", "wire_compression",
               "clip_norm_ratio", "max_counter_ratio", "max_round_ratio", "repeat_push")
@@ -68,7 +68,8 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--mode", default="decoupled", choices=modes, help="decoupled (default), streaming, diloco or dp")
     g.add_argument("--preset", choices=PRESETS,
                    help="default: the mode with this project's measured additions; paper: the published algorithm "
-                        "exactly (every addition off, outer η 0.7 / μ 0.9, fp32 back); flags below still override")
+                        "exactly (every addition off, outer η 0.7 / μ 0.9, fp32 back), for reproduction: with K = 1 "
+                        "its momentum on every round can diverge (add --momentum-every M); flags below still override")
     g.add_argument("--fragments", "-P", type=int, help="P: fragments the model is split into (decoupled: 24)")
     g.add_argument("--sync-every", "-H", type=int, help="H: inner steps between pushes of one fragment (24)")
     g.add_argument("--overlap", type=int, help="τ: steps between a push and applying its merged result (2)")
@@ -136,6 +137,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--delayed-momentum", action=argparse.BooleanOptionalAction, default=None,
                    help="advance the outer momentum once per full round's worth of contributions (default preset: "
                         "on); --no-delayed-momentum advances it on every round, even partial ones")
+    g.add_argument("--momentum-every", type=int, metavar="N",
+                   help="delayed Nesterov: advance the outer momentum once every N rounds' worth of contributions, "
+                        "plain steps between (1: every round)")
     g.add_argument("--heartbeat-seconds", type=float, help=argparse.SUPPRESS)
     g.add_argument("--absent-after-seconds", type=float, help="a learner silent this long is absent (10)")
 

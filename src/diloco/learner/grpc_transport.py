@@ -410,7 +410,7 @@ class GrpcTransport(HeartbeatNews):
     def _push_once(self, job: PushJob, payload: codec.Encoded) -> pb.PushReply:
         header = pb.PushHeader(learner_id=self.learner_id, session=self.session, seq=job.seq, fragment=job.fragment,
                                base_version=job.base_version, steps=job.steps, tokens=job.tokens,
-                               data_position=job.data_position)
+                               data_position=job.data_position, final=job.final)
         progress = self._push_progress = Progress(self.stall_timeout, len(payload.data))
         call = self._push_call = self.stub.Push.future(
             self._metered(push_chunks(header, payload, self.config.wire_compression), progress, lambda m: len(m.data)))

@@ -342,7 +342,7 @@ class Learner:
         if self._receiver is not None:  # before the push: an in-process answer arrives within it
             self._receiver.pushed(p, self._seq, slot.base if keep and staged is not None else None)
         self.transport.push(PushJob(p, slot.base, taken, slot.version, slot.steps, slot.tokens, self._seq,
-                                    self.data_position, staged))
+                                    self.data_position, staged, final=finishing))
         slot.pushed_at, slot.pushed_seq = self.step_count, self._seq
         self.pushes += 1
 

@@ -48,6 +48,8 @@ class PushJob:
     seq: int
     data_position: int
     staged: StagedDelta | None = None
+    final: bool = False
+    """The learner's last push of this fragment: training has ended (`Learner.finish`)."""
     _payload: codec.Encoded | None = None
 
     @property

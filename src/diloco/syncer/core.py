@@ -266,12 +266,12 @@ class SyncerCore(Membership, RoundTiming):
     # ---- pushes and rounds --------------------------------------------------------------------------------
     def push(
         self, learner_id: str, session: str, seq: int, fragment: int, base_version: int, steps: int, tokens: int,
-        payload: codec.Encoded, data_position: int = 0, transfer_seconds: float = 0.0,
+        payload: codec.Encoded, data_position: int = 0, transfer_seconds: float = 0.0, final: bool = False,
     ) -> PushResult:
         """Admit a contribution and fold it into its round's running sums. Worker thread: decoding and folding run
-        without the lock."""
+        without the lock. `final`: the learner's last push of the fragment (its training has ended)."""
         result = self._admit(learner_id, session, seq, fragment, base_version, steps, tokens, payload, data_position,
-                             transfer_seconds)
+                             transfer_seconds, final)
         if not result.accepted:
             self.record_event("refusal", learner=learner_id, fragment=fragment, seq=seq, reason=result.reason)
         return result
@@ -285,7 +285,7 @@ class SyncerCore(Membership, RoundTiming):
 
     def _admit(
         self, learner_id: str, session: str, seq: int, fragment: int, base_version: int, steps: int, tokens: int,
-        payload: codec.Encoded, data_position: int, transfer_seconds: float,
+        payload: codec.Encoded, data_position: int, transfer_seconds: float, final: bool = False,
     ) -> PushResult:
         with self.lock:
             record = self._record(learner_id, session)
@@ -385,7 +385,7 @@ class SyncerCore(Membership, RoundTiming):
         c = Contribution(learner_id, session, seq, base_version, steps, tokens, data_position, arrived, counted,
                          bounded=counted != declared, earlier=earlier,
                          carried=max(carried if params and not free_ride else 0.0, older.carried if older else 0.0))
-        c.check = check
+        c.check, c.final = check, final
         if older is not None:
             c.replaced = older.replaced + 1
             c.since = older.since if older.since is not None else older.arrived_at

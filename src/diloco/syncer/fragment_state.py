@@ -44,6 +44,8 @@ class Contribution:
     """With `replaced`: when the first of them arrived, since when its learner has been in the round."""
     carried: float = 0.0
     """Tokens it added to its learner's accepted tokens (the budget's bound): a replacement adds only the rest."""
+    final: bool = False
+    """The learner's last push of the fragment: training has ended (a round of only such pushes takes no momentum)."""
     check: tuple[int, dict] | None = None
     """(the round's version, what the policy decided on) when it let this push into an open round: the round was not
     due at its arrival (`SyncerCore._close_if_due`; the tape records it for `diloco replay`)."""

@@ -96,17 +96,26 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     # buffers take their token-weighted mean, Θ − mean(Θ_base − b_m), with no outer optimizer; with μ = 0
     # Nesterov, delayed or not, is Θ ← Θ − η·Δ
     plain = 1.0 if not params else None if core.cfg.keeps_outer_state else core.cfg.outer_lr
+    if plain is None and all(c.final for c in contributions):
+        # learners' last pushes after training ended: their progress, without the momentum's look-ahead. Each
+        # finishing learner makes rounds of its own, and a momentum step in each extrapolated the run's past
+        # direction again at its very end (docs/results.md, "The paper preset")
+        plain = core.cfg.outer_lr / core.cfg.momentum_every
     if plain is not None and fs.residual is not None:
         # Θ = P + residual − η·Δ, made in the round's sum: no fragment-sized temporary beside it
         theta = delta.mul_(-plain).add_(fs.published).add_(fs.residual)
     elif plain is not None:
         theta = fs.outer_values()
         theta.sub_(delta, alpha=plain)
-    elif core.cfg.delayed_momentum:
+    elif core.cfg.delayed_momentum or core.cfg.momentum_every > 1:
         theta = fs.outer_values()  # the kept tensor, or P + residual made for this round
         if fs.pending_delta is None:
             fs.pending_delta = torch.zeros_like(theta)
-        pending_share = delayed_nesterov_step(theta, delta, fs.momentum, fs.pending_delta, share,
+        every = core.cfg.momentum_every
+        if every > 1:  # N rounds then move Θ as one synchronous round of their mean Δ
+            delta.div_(every)
+        counts = (share if core.cfg.delayed_momentum else 1.0) / every
+        pending_share = delayed_nesterov_step(theta, delta, fs.momentum, fs.pending_delta, counts,
                                               fs.pending_share, core.cfg.outer_lr, core.cfg.outer_momentum)
     else:
         theta = fs.outer_values()
@@ -144,6 +153,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                                    "staleness": fs.version - 1 - c.base_version,
                                    "counted": [round(x, 6) for x in counted_c],
                                    **({"bounded": True} if c.bounded else {}),
+                                   **({"final": True} if c.final else {}),
                                    # in for `replaced` earlier pushes of its learner since `since`: it alone counts
                                    **({"replaced": c.replaced, "since": round(c.since - core.started_at, 6)}
                                       if c.replaced and c.since is not None else {}),

@@ -447,7 +447,8 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             data = unpack(data, header.compression, header.codec, header.numel)  # CorruptPayload: the caller refuses
             payload = codec.Encoded(header.codec, header.numel, data, header.checksum)
             return self.core.push(header.learner_id, header.session, header.seq, header.fragment, header.base_version,
-                                  header.steps, header.tokens, payload, header.data_position, time.monotonic() - started)
+                                  header.steps, header.tokens, payload, header.data_position, time.monotonic() - started,
+                                  final=header.final)
 
         try:
             result = await self._core(push)

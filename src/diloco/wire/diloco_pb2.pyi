@@ -111,7 +111,7 @@ class InitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "session", "seq", "fragment", "base_version", "steps", "tokens", "data_position", "codec", "numel", "total_bytes", "checksum", "compression")
+    __slots__ = ("learner_id", "session", "seq", "fragment", "base_version", "steps", "tokens", "data_position", "codec", "numel", "total_bytes", "checksum", "compression", "final")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class PushHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     session: str
     seq: int
@@ -138,7 +139,8 @@ class PushHeader(_message.Message):
     total_bytes: int
     checksum: int
     compression: str
-    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., seq: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., data_position: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
+    final: bool
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., seq: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., data_position: _Optional[int] = ..., codec: _Optional[str] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., compression: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
