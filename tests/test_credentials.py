@@ -66,7 +66,7 @@ def test_the_file_keeps_only_digests_and_is_readable_by_its_owner_alone(creds):
     ("[learners.a]\ntoken = 'x'\n", "needs token_sha256"),
     ("[learners.a]\ntoken_sha256 = 'abc'\n", "needs token_sha256"),
     ("[people.a]\n", "unknown key"),
-    ("not toml [", "not a TOML file"),
+    ("not toml [", "not valid TOML"),
     ("", "no \\[learners.<id>\\] entry"),
     ('[learners."-bad"]\ntoken_sha256 = "' + "0" * 64 + '"\n', "not a valid learner id"),
 ])

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the same parser, before it joined the standard library
-    import tomli as tomllib
+from diloco import untrusted_files
 
 TABLES = {"run": ("sync", "train"), "syncer": ("sync",), "learner": ("train",), "compare": ()}
 """The tables each command's file may have."""
+MAX_BYTES = 1 << 20
+"""Largest --config file read (a full one is a few KB)."""
 NOT_SETTINGS = {"help", "config", "print_config", "sync_config"}
 """Flags that say what to do with settings rather than being one (and the syncer's private --sync-config)."""
 
@@ -77,12 +75,11 @@ def key_text(table: str, key: str) -> str:
 
 def load(path: Path, command: str, parser: argparse.ArgumentParser) -> Settings:
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = untrusted_files.read_toml(path, MAX_BYTES)
+    except untrusted_files.UntrustedFileError as e:
+        raise ConfigError(f"--config {path}: {e.why}") from None
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read it: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
     keys = layout(command, parser)
     settings = Settings()
     for table, values in [("", {k: v for k, v in data.items() if not (k in keys and k and isinstance(v, dict))}),

@@ -150,12 +150,24 @@ def sync_overrides(args) -> dict:
     return {**getattr(args, "sync_fields", {}), **{k: v for k, v in flags.items() if v is not None}}
 
 
+def json_text(path: Path, flag: str) -> str:
+    """A JSON settings file's text, read as untrusted (a regular file, bounded, not nested too deep)."""
+    from diloco import untrusted_files
+
+    try:
+        data = untrusted_files.read_bytes(path, 1 << 20, follow_symlinks=True)
+        untrusted_files.parse_json(data, path)
+    except untrusted_files.UntrustedFileError as e:
+        raise UserError(f"{flag} {path}: {e.why}") from None
+    return data.decode()
+
+
 def resolved_sync_config(args):
     """The SyncConfig that `diloco run` or `diloco syncer` runs with these arguments."""
     from diloco.config import SyncConfig, for_mode, validate
 
     if getattr(args, "sync_config", None):  # `diloco run` resolved them already
-        cfg = SyncConfig.from_json(args.sync_config.read_text())
+        cfg = SyncConfig.from_json(json_text(args.sync_config, "--sync-config"))
         validate(cfg)
         return cfg
     return for_mode(args.mode, args.learners, **sync_overrides(args))
@@ -182,7 +194,7 @@ def train_config(args):
 
     path = getattr(args, "train_config", None)
     try:
-        cfg = train_config_from_json(path.read_text()) if path else TrainConfig()
+        cfg = train_config_from_json(json_text(path, "--train-config")) if path else TrainConfig()
     except OSError as e:
         raise UserError(f"--train-config {path}: cannot read it: {e.strerror}") from None
     changes = {k: getattr(args, k, None) for k in ("corpus", "seed", "batch_size", "lr", "decay_fraction")}

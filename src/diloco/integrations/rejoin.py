@@ -5,17 +5,19 @@ the syncer says at the rejoin, so a resumed trainer goes on in the same run unde
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from diloco import untrusted_files
 from diloco.atomic import write_json
 
 log = logging.getLogger("diloco.integrations")
 RECORD_FILE = "diloco_learner.json"
 """The record's name in a Hugging Face checkpoint folder (beside trainer_state.json)."""
 FORMAT = 1
+MAX_BYTES = 1 << 20
+"""Largest record read (one is a few hundred bytes)."""
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,12 @@ def write(folder: Path, record: RejoinRecord) -> Path:
 def read(folder: Path) -> RejoinRecord | None:
     """The record in a checkpoint folder; None when it has none (a checkpoint written without the callback)."""
     path = Path(folder) / RECORD_FILE
-    try:
-        text = path.read_text()
+    try:  # a link is followed (checkpoint caches link their files), but only to a regular file
+        obj = untrusted_files.read_json(path, MAX_BYTES, follow_symlinks=True)
     except FileNotFoundError:
         return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): delete it to join as a new learner") from None
+    except untrusted_files.UntrustedFileError as e:
+        raise ValueError(f"{path} is {e.why}: delete it to join as a new learner") from None
     return RejoinRecord.from_json(obj, str(path))
 
 

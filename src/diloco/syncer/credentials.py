@@ -17,12 +17,14 @@ import hmac
 import os
 import re
 import secrets
-import tomllib
 from pathlib import Path
 
+from diloco import untrusted_files
 from diloco.ids import LEARNER_ID
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
+MAX_BYTES = 16 << 20
+"""Largest credentials file read (about 150 000 learners)."""
 
 
 class CredentialsError(ValueError):
@@ -42,11 +44,11 @@ class Credentials:
     @classmethod
     def load(cls, path: Path) -> "Credentials":
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = untrusted_files.read_toml(path, MAX_BYTES)
+        except untrusted_files.UntrustedFileError as e:
+            raise CredentialsError(f"--credentials {path}: {e.why}") from None
         except OSError as e:
             raise CredentialsError(f"--credentials {path}: cannot read it ({e.strerror})") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise CredentialsError(f"--credentials {path}: not a TOML file ({e})") from None
         unknown = set(data) - {"learners"}
         if unknown:
             raise CredentialsError(f"--credentials {path}: unknown key(s) {', '.join(sorted(unknown))}; the file holds "

@@ -8,11 +8,11 @@ a check is not used and the history starts empty; the history is for display and
 
 from __future__ import annotations
 
-import json
 import math
 from collections import OrderedDict
 from pathlib import Path
 
+from diloco import untrusted_files
 from diloco.atomic import write_json
 from diloco.ids import LEARNER_ID
 from diloco.syncer.annotations import NAME
@@ -46,13 +46,13 @@ def load(path: Path, history: History, started_unix: float) -> str | None:
     """Fills the empty `history` from the file at `path`, if there is one; returns None, or why the file there was
     not used."""
     try:
-        if path.stat().st_size > MAX_BYTES:
-            return f"{path} is larger than {MAX_BYTES >> 20} MB"
-        data = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
+        data = untrusted_files.read_json(path, MAX_BYTES, parse_constant=_refuse_constant)
     except FileNotFoundError:
         return None  # a state from before the first save
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return f"{path} cannot be read: {e}"
+    except untrusted_files.TooLarge as e:
+        return f"{path} is {e.why}"
+    except (OSError, ValueError) as e:  # a FIFO, a device, a link, not JSON, nested too deep
+        return f"{path} cannot be read: {getattr(e, 'why', e)}"
     try:
         _restore(data, history, started_unix)
     except (ValueError, TypeError, KeyError) as e:

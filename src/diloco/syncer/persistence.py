@@ -193,7 +193,7 @@ def restore(core) -> bool:
     # never published; it is produced again after the restart, so the history keeps only what the state holds
     kept = [e for e in core.store.rounds(core.round_log.maxlen)
             if len(e) == 4 and isinstance(e[1], int) and 0 <= e[1] < len(core.fragments)
-            and e[2] <= core.fragments[e[1]].version]
+            and isinstance(e[2], int) and e[2] <= core.fragments[e[1]].version]
     try:
         core.store.rewrite_rounds(kept)
     except OSError as e:

@@ -16,6 +16,7 @@ import os
 import stat
 from pathlib import Path
 
+from diloco import untrusted_files
 from diloco.atomic import write_bytes
 
 KEY_BYTES = 32
@@ -49,13 +50,16 @@ class StateKey:
     def key(self, create: bool = False) -> bytes | None:
         """The key; None when there is no key file (created when `create`)."""
         if self._key is None:
-            try:
-                data = self.path.read_bytes()
+            try:  # a link is followed (a mounted secret), but only to a regular file
+                data = untrusted_files.read_bytes(self.path, KEY_BYTES, follow_symlinks=True)
             except FileNotFoundError:
                 if not create:
                     return None
                 data = os.urandom(KEY_BYTES)
                 write_bytes(self.path, data)  # 0600, atomic
+            except untrusted_files.UntrustedFileError as e:
+                raise BadKey(f"the state key {self.path} is {e.why}, not a {KEY_BYTES}-byte key file: restore it from "
+                             f"where it was kept (the state is signed with it)") from None
             if len(data) != KEY_BYTES:
                 raise BadKey(f"the state key {self.path} holds {len(data)} bytes, not {KEY_BYTES}: restore it "
                              f"from where it was kept (the state is signed with it)")
@@ -82,11 +86,13 @@ class StateKey:
     def last_generation(self) -> int | None:
         """The highest generation this syncer wrote; None when it never recorded one."""
         try:
-            value = json.loads(self.generation_path.read_bytes())["generation"]
+            value = untrusted_files.read_json(self.generation_path, 4096)["generation"]
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError, OSError):
-            return None  # unreadable: no rollback check rather than a refusal (the signatures still hold)
+        except (ValueError, KeyError, TypeError, OSError) as e:  # no rollback check rather than a refusal
+            log.warning("%s is unreadable (%s): the state is not checked for a rollback (its signatures still are)",
+                        self.generation_path, getattr(e, "why", e))
+            return None
         return value if isinstance(value, int) else None
 
     def remember(self, generation: int) -> None:

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load as load_safetensors
 
+from diloco import untrusted_files
 from diloco.atomic import Chunked, fsync_dir, private_folder, private_opener, save_tensor_stream, write_bytes, write_json
 from diloco.codec import all_finite
 from diloco.syncer.state_key import BadKey, StateKey
@@ -36,6 +37,11 @@ ROUND_LOG = "rounds.jsonl"
 OWNED = re.compile(r"^(fragment-\d+-v\d+\.safetensors|ledger-\d+\.json)(\.tmp)?$")
 """Names of the files the store writes (and may delete): nothing else in the folder is ever removed."""
 FRAGMENT = re.compile(r"^fragment-(\d+)-v(\d+)\.safetensors$")
+MAX_MANIFEST = 16 << 20
+MAX_LEDGER = 1 << 30
+"""Largest manifest and ledger read (both are far smaller: a ledger holds a few KB per learner)."""
+ROUNDS_TAIL = 128
+"""Bytes read per round line asked for (a line is under 64): only the end of rounds.jsonl is read (it grows for the whole run)."""
 
 log = logging.getLogger("diloco.syncer")
 
@@ -159,14 +165,24 @@ class StateStore:
     def rounds(self, last: int) -> list[tuple]:
         """The last `last` rounds of the history; a line cut by a crash is skipped."""
         path = self.folder / ROUND_LOG
-        if not path.exists():
+        try:
+            with os.fdopen(untrusted_files.open_regular(path), "rb") as f:
+                start = max(0, os.fstat(f.fileno()).st_size - last * ROUNDS_TAIL)
+                f.seek(start)
+                lines = f.read(last * ROUNDS_TAIL).decode(errors="replace").splitlines()[1 if start else 0:]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as e:  # only the history behind uptime: not worth refusing the state for
+            log.warning("the round history %s is not used: %s", path, getattr(e, "why", e))
             return []
         out = []
-        for line in path.read_text(errors="replace").splitlines()[-last:]:
+        for line in lines[-last:]:
             try:
-                out.append(tuple(json.loads(line)))
-            except json.JSONDecodeError:
+                entry = untrusted_files.parse_json(line, path)
+            except ValueError:
                 continue
+            if isinstance(entry, list):
+                out.append(tuple(entry))
         return out
 
     def rewrite_rounds(self, entries: list[tuple]) -> None:
@@ -174,12 +190,13 @@ class StateStore:
 
     # ---- loading --------------------------------------------------------------------------------------------
     def _read_manifest(self, name: str) -> dict | None:
-        path = self.folder / name
-        if not path.exists():
-            return None
         try:
-            manifest = json.loads(path.read_bytes())
-        except (ValueError, OSError) as e:
+            manifest = untrusted_files.read_json(self.folder / name, MAX_MANIFEST)
+        except FileNotFoundError:
+            return None
+        except untrusted_files.UntrustedFileError as e:
+            raise Damaged(name, e.why) from None
+        except OSError as e:
             raise Damaged(name, f"unreadable ({e})") from None
         if (not isinstance(manifest, dict) or not isinstance(manifest.get("generation"), int)
                 or not isinstance(manifest.get("files"), dict) or "ledger" not in manifest["files"]
@@ -235,13 +252,20 @@ class StateStore:
                              f"after it are lost, learners resynchronise)")
         log.warning("%s; resuming from it (--accept-rollback)", what)
 
-    def _read_file(self, manifest: dict, name: str) -> bytes:
-        path = self.folder / name
-        if path.is_symlink() or not path.is_file():
-            raise Damaged(name, "missing" if not path.exists() and not path.is_symlink()
-                          else "not a regular file (a link or a folder)")
-        data = path.read_bytes()
+    def _read_file(self, manifest: dict, name: str, limit: int | None = None) -> bytes:
+        """The bytes of a file of the generation, at most the size its manifest records (else `limit`)."""
         expected = manifest.get("integrity", {}).get(name)
+        try:
+            data = untrusted_files.read_bytes(self.folder / name, limit if expected is None else expected[0])
+        except FileNotFoundError:
+            raise Damaged(name, "missing") from None
+        except untrusted_files.TooLarge:
+            raise Damaged(name, f"size mismatch: larger than the {expected[0]} bytes the manifest recorded"
+                          if expected is not None else f"larger than {limit} bytes") from None
+        except untrusted_files.UntrustedFileError as e:
+            raise Damaged(name, e.why) from None
+        except OSError as e:
+            raise Damaged(name, f"unreadable ({e.strerror or e})") from None
         if expected is not None:
             size, digest = expected
             if len(data) != size:
@@ -259,9 +283,9 @@ class StateStore:
                         "save signs it with a new key in %s", self.folder / MANIFEST, self.key.path)
         files = manifest["files"]
         try:
-            ledger = json.loads(self._read_file(manifest, files["ledger"]))
-        except ValueError as e:
-            raise Damaged(files["ledger"], f"not valid JSON ({e})") from None
+            ledger = untrusted_files.parse_json(self._read_file(manifest, files["ledger"], MAX_LEDGER), files["ledger"])
+        except untrusted_files.UntrustedFileError as e:
+            raise Damaged(files["ledger"], e.why) from None
         if not isinstance(ledger, dict):
             raise Damaged(files["ledger"], "not a ledger (a JSON object)")
         fragments = {}

@@ -7,6 +7,11 @@ from pathlib import Path
 
 import grpc
 
+from diloco import untrusted_files
+
+MAX_PEM = 1 << 20
+"""Largest PEM file read (a certificate chain is a few KB)."""
+
 
 def is_loopback(address: str) -> bool:
     """Is HOST:PORT's host a loopback address (127.0.0.0/8, ::1, localhost)? An empty host means every interface."""
@@ -35,8 +40,10 @@ def plaintext_token_problem(address: str, token: str | None, tls: bool) -> str |
 def _read(path: Path | str | None, flag: str) -> bytes | None:
     if path is None:
         return None
-    try:
-        return Path(path).read_bytes()
+    try:  # a link is followed (a mounted secret), but only to a regular file
+        return untrusted_files.read_bytes(path, MAX_PEM, follow_symlinks=True)
+    except untrusted_files.UntrustedFileError as e:
+        raise ValueError(f"cannot read {flag} {path}: {e.why}") from None
     except OSError as e:
         raise ValueError(f"cannot read {flag} {path}: {e.strerror}") from None
 
