@@ -120,6 +120,7 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
             if time.monotonic() > deadline and out.tokens < total:
                 out.stopped = f"time budget: stopped after {out.tokens:,} of {total:,} tokens"
                 break
+        before_finish = global_loss()  # what the learners' last pushes then change
         finish_all(local, members, timeout=max(30.0, deadline - time.monotonic()))
     except BaseException:
         for learner in members:
@@ -131,6 +132,7 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
     out.seconds = time.monotonic() - started
     status = local.core.status()
     out.extra = dict(learners=learners, preset=preset, learner_batch=per, sync=json.loads(cfg.to_json()),
+                     before_finish=before_finish,
                      dtypes=[str(d).removeprefix("torch.") for d in dtypes], speeds=speeds,
                      rounds=status["rounds"], tokens_merged=status["tokens_merged"],
                      steps=[m.step_count for m in members], pushes=[m.pushes for m in members],

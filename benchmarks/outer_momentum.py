@@ -122,12 +122,13 @@ def main(argv=None) -> int:
             out = run_decoupled(setup, arm, args.learners, preset, time.monotonic() + 3600,
                                 log=lambda *_: None, overrides=settings)
             worst = max(l for _, l in out.curve)
+            before = out.extra["before_finish"]
             print(f"seed {seed}: {arm:<17} {out.final:.4f}  gap {out.final - dp.final:+.3f}  worst evaluation "
-                  f"{worst:.2f}{' (above ln V)' if worst > ln_v else ''}  rounds {out.extra['rounds']}  "
-                  f"({out.seconds:.0f} s)", flush=True)
+                  f"{worst:.2f}{' (above ln V)' if worst > ln_v else ''}  the last pushes {out.final - before:+.3f}  "
+                  f"rounds {out.extra['rounds']}  ({out.seconds:.0f} s)", flush=True)
             runs.append(dict(seed=seed, arm=arm, preset=preset, settings=settings, final=out.final,
-                             gap=out.final - dp.final, worst=worst, curve=out.curve, rounds=out.extra["rounds"],
-                             sync=out.extra["sync"]))
+                             gap=out.final - dp.final, worst=worst, before_finish=before, curve=out.curve,
+                             rounds=out.extra["rounds"], sync=out.extra["sync"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         report = dict(commit=commit(), machine=platform.platform(), torch=torch.__version__,
