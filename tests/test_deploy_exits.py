@@ -1,7 +1,10 @@
 """Exit codes that tell a scheduler what to do (diloco/exits.py): 0 finished, 75 retry me, 78 and 2 do not retry;
 the code also lands in $DILOCO_EXIT_FILE, where a torchrun job script reads its leader's."""
 
+import json
 import socket
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -17,6 +20,7 @@ from diloco.syncer.server import ServerOptions, SyncerThread
 from diloco.train.config import ModelConfig, TrainConfig
 from diloco.train.loop import train_config_to_json
 from diloco.train.model import build_model
+from liveness import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,6 +97,38 @@ def test_usage_errors_exit_2_and_a_busy_port_means_retry(capsys, monkeypatch, tm
                                  "--http", "127.0.0.1:0")
     assert code == written == exits.RETRY and "cannot listen" in err
     assert not list((tmp_path / "runs").iterdir())  # no empty default state folder left behind
+
+
+@pytest.fixture
+def syncer_process(tmp_path):
+    """A `diloco syncer` process serving on ports it picked: (its ready.json, the argv of another syncer)."""
+    def argv(state, listen="127.0.0.1:0", http="127.0.0.1:0"):
+        return [sys.executable, "-m", "diloco", "syncer", "--listen", listen, "--http", http, "--state", str(state)]
+
+    proc = subprocess.Popen(argv(tmp_path / "first"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ready = tmp_path / "first" / "ready.json"
+    try:
+        wait_for(lambda: ready.exists() or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None, "the first syncer ended"
+        yield json.loads(ready.read_text()), argv
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("port", ["grpc", "http"])
+def test_a_second_syncer_on_a_busy_port_exits_75_naming_it(tmp_path, syncer_process, port):
+    # finding: gRPC's SO_REUSEPORT let a second syncer listen on the first's port, splitting the learners between
+    # two runs; a busy HTTP port printed [Errno 98] without the address, and a traceback
+    ready, argv = syncer_process
+    address = f"127.0.0.1:{ready[f'{port}_port']}"
+    flags = {"listen": address} if port == "grpc" else {"http": address}
+    second = subprocess.run(argv(tmp_path / "second", **flags), capture_output=True, text=True, timeout=120)
+    assert second.returncode == exits.RETRY, second.stderr
+    assert "Traceback" not in second.stderr and "Errno 98" not in second.stderr, second.stderr
+    flag = "--listen" if port == "grpc" else "--http"
+    assert (f"diloco syncer: error: cannot listen on {address} ({'gRPC' if port == 'grpc' else 'HTTP'}" in
+            second.stderr and f"choose another {flag} port or stop the other process" in second.stderr)
 
 
 def test_only_the_leader_of_a_torchrun_group_writes_the_exit_file(monkeypatch, tmp_path):

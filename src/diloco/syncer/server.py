@@ -376,17 +376,25 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
     try:
         port = (server.add_secure_port(opts.listen, credentials) if credentials
                 else server.add_insecure_port(opts.listen))
-    except RuntimeError as e:
-        raise OSError(f"cannot listen on {opts.listen}: {e} (is another syncer running there?)") from None
-    await server.start()
+    except RuntimeError:
+        _abandon(service, core)
+        raise OSError(f"cannot listen on {opts.listen} (gRPC): the port is in use (another syncer?) or cannot be "
+                      f"bound here; choose another --listen port or stop the other process") from None
     status: dict = {}
     service.annotations = Annotations(tape=core.tape)
     beat: dict = {}
     history = History()  # what the dashboard's charts draw, for the whole run (/history)
     if opts.out and resumed:
         _resume_history(history, opts.out / HISTORY_FILE, core.started_unix)
-    http = (_http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""], service.annotations,
-                         beat, history) if opts.http else None)
+    try:  # bound before the gRPC server starts: a busy port leaves nothing running
+        http = (_http_server(opts.http, service, status, [opts.token or "", opts.status_token or ""],
+                             service.annotations, beat, history) if opts.http else None)
+    except OSError as e:
+        await server.stop(None)
+        _abandon(service, core)
+        raise OSError(f"cannot listen on {opts.http} (HTTP: the dashboard, /status, /metrics): {e.strerror or e}; "
+                      f"choose another --http port or stop the other process") from None
+    await server.start()
     ready = {"grpc_port": port, "http_port": http.server_address[1] if http else None, "pid": os.getpid()}
     log.info("syncer listening on %s (gRPC port %d%s, HTTP %s), mode %s", opts.listen, port,
              " with TLS" if credentials else "", ready["http_port"], cfg.mode)
@@ -480,6 +488,13 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         else:  # shown at the default log level: it needs the operator
             log.warning("syncer stopped; the final model is %s (a fallback folder: copy it somewhere safe)", model)
     return status
+
+
+def _abandon(service: SyncerService, core: SyncerCore) -> None:
+    """Undo a start that failed before serving: no thread or open file is left behind."""
+    service.shutdown()
+    if core.tape is not None:
+        core.tape.close()
 
 
 def _resume_history(history: History, path: Path, started_unix: float) -> None:

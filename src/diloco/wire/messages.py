@@ -22,7 +22,9 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                                 ("grpc.so_reuseport", 0)]
+"""No SO_REUSEPORT (gRPC's default): a second syncer on a busy port fails to bind instead of sharing the learners."""
 
 
 RPC_OF = {"JoinRequest": "join", "JoinReply": "join", "InitChunk": "init", "InitReply": "init",
