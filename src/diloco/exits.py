@@ -5,7 +5,7 @@
 | 0  | finished: the run's budget or duration is spent, `--max-steps` reached, or it left/stopped on SIGTERM | no |
 | 1  | an unexpected error (a bug): a traceback is printed | at most a few times |
 | 2  | usage: a bad flag, a missing file, a damaged state directory | no: a person must fix the call |
-| 75 | retry me (EX_TEMPFAIL): the syncer is unreachable or the connection was lost, a port is in use | yes |
+| 75 | retry me (EX_TEMPFAIL): the syncer is unreachable or the connection was lost, a port is in use, another syncer holds the state folder | yes |
 | 78 | do not retry (EX_CONFIG): the syncer refused this learner (wrong token, model mismatch, bad id, TLS) | no |
 | 130 | stopped at once by a second signal | as the scheduler decided |
 
@@ -49,8 +49,10 @@ def for_error(command: str, error: BaseException) -> int:
 
     if isinstance(error, SyncerError):
         return for_syncer_error(str(error))
-    if isinstance(error, OSError) and "cannot listen on" in str(error):
-        return RETRY  # the port may be freed (a previous syncer still shutting down)
+    from diloco.syncer.folder_lock import FolderInUse
+
+    if isinstance(error, FolderInUse) or isinstance(error, OSError) and "cannot listen on" in str(error):
+        return RETRY  # the port or the folder may be freed (a previous syncer still shutting down)
     return USAGE
 
 

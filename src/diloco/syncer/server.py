@@ -26,6 +26,7 @@ from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer import initial_model
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.credentials import Credentials
+from diloco.syncer.folder_lock import FolderLock
 from diloco.syncer import history_file
 from diloco.syncer.history import History
 from diloco.syncer.metrics import SyncerMetrics
@@ -340,6 +341,19 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         raise ValueError("; ".join(errors))
     for warning in warnings:
         log.warning("%s", warning)
+    lock = None
+    if opts.out:
+        private_folder(opts.out, log)  # the tape, snapshots and final model: the syncer's user's alone
+        lock = FolderLock(opts.out, opts.listen)  # before anything in the folder is read or written
+    try:
+        return await _serve(cfg, opts, stop, on_status, on_service, lock)
+    finally:
+        if lock:
+            lock.release()
+
+
+async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None, on_status, on_service,
+                 lock: FolderLock | None) -> dict:
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -347,8 +361,6 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
             loop.add_signal_handler(sig, stop.set)
         except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
             pass
-    if opts.out:
-        private_folder(opts.out, log)  # the tape, snapshots and final model: the syncer's user's alone
     store = (StateStore(opts.out / "state", recover=opts.recover, key=opts.state_key,
                         accept_rollback=opts.accept_rollback) if opts.out else None)
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
@@ -380,6 +392,8 @@ async def serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | None
         _abandon(service, core)
         raise OSError(f"cannot listen on {opts.listen} (gRPC): the port is in use (another syncer?) or cannot be "
                       f"bound here; choose another --listen port or stop the other process") from None
+    if lock:
+        lock.describe(f"{opts.listen.rsplit(':', 1)[0]}:{port}")
     status: dict = {}
     service.annotations = Annotations(tape=core.tape)
     beat: dict = {}
