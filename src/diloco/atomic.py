@@ -45,8 +45,9 @@ def private_open(path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
 
 def private_opener(path: str, flags: int) -> int:
-    """An `opener` for open() and logging's file handlers: files they create are 0600."""
-    return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    """An `opener` for open() and logging's file handlers: files they create are 0600. A FIFO put in their place
+    fails at once (ENXIO) instead of blocking the opener until something reads it."""
+    return os.open(path, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0), FILE_MODE)
 
 
 def private_folder(folder: Path, log=None) -> None:

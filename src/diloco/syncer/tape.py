@@ -47,7 +47,11 @@ class Tape:
         self._logger.propagate = False
         self._logger.setLevel(logging.INFO)
         self.errors = Throttled(logging.getLogger("diloco.syncer"))
-        self._handler = _Handler(self.path, self.errors, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+        try:
+            self._handler = _Handler(self.path, self.errors, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+        except OSError as e:
+            raise OSError(f"cannot open the event tape {self.path}: [Errno {e.errno}] {e.strerror} (the syncer makes "
+                          f"it a plain file: remove what is there)") from None
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._logger.addHandler(self._handler)
 
