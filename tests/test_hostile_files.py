@@ -178,7 +178,7 @@ def test_a_hostile_rejoin_record_is_refused(tmp_path, kind, why):
 def test_a_fifo_in_place_of_an_appended_file_fails_at_once_instead_of_blocking(tmp_path, caplog):
     os.mkfifo(tmp_path / "tape.jsonl")  # nobody reads: a plain open for appending waits forever
     cfg = for_mode("decoupled", 1, fragments=2, sync_every=4)
-    with pytest.raises(RuntimeError, match=r"syncer did not start: cannot open the event tape .*tape\.jsonl: \[Errno 6\]"):
+    with pytest.raises(RuntimeError, match=r"did not start: cannot open the event tape .*tape\.jsonl: \[Errno 6\]"):
         SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, out=tmp_path))
     core, _ = run(tmp_path / "state")
     (tmp_path / "state" / "rounds.jsonl").unlink()

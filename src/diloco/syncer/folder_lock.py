@@ -30,7 +30,8 @@ class FolderLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise OSError(f"{self.path} is a symbolic link: remove it (the syncer makes this file itself)") from None
+                raise OSError(f"{self.path} is a symbolic link: remove it (the syncer makes this file itself)") \
+                    from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -41,7 +41,8 @@ MAX_MANIFEST = 16 << 20
 MAX_LEDGER = 1 << 30
 """Largest manifest and ledger read (both are far smaller: a ledger holds a few KB per learner)."""
 ROUNDS_TAIL = 128
-"""Bytes read per round line asked for (a line is under 64): only the end of rounds.jsonl is read (it grows for the whole run)."""
+"""Bytes read per round line asked for (a line is under 64): only the end of rounds.jsonl is read (it grows for
+the whole run)."""
 
 log = logging.getLogger("diloco.syncer")
 
