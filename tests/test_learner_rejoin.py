@@ -130,6 +130,24 @@ def test_a_learner_that_restarts_keeps_what_it_trained_in_the_runs_tokens_and_bu
         syncer.stop()
 
 
+def test_a_rejoined_learners_step_in_the_status_continues_from_its_earlier_sessions():
+    cfg = for_mode("decoupled", 1, fragments=2, sync_every=4, heartbeat_seconds=0.1)
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None))
+    try:
+        model = net()
+        first = Learner(model, GrpcTransport(syncer.address), "a")
+        steps(first, model, torch.optim.AdamW(model.parameters(), 1e-2), 12)
+        first.finish()  # its last heartbeat has its count; its successor's own count starts at 0
+        wait_for(lambda: learner_state(syncer, "a").get("step") == 12)
+        model = net()
+        again = Learner(model, GrpcTransport(syncer.address), "a")
+        steps(again, model, torch.optim.AdamW(model.parameters(), 1e-2), 5)
+        again.finish()
+    finally:
+        final = syncer.stop()
+    assert {x["id"]: x for x in final["learners"]}["a"]["step"] == 17
+
+
 def test_a_learner_joining_a_streaming_run_late_pushes_in_phase_and_nobody_waits_forever():
     # K = all and learners block on merges: a joiner that started its schedule at fragment 0 would wait for a merge
     # its peer never pushes towards, while the peer's round waits for it

@@ -14,6 +14,7 @@ the worker touches. Only the worker adds learners, so it may read the ledger wit
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import threading
@@ -31,7 +32,7 @@ from diloco.merge import StreamingMerge, segment_norms, token_weight
 from diloco.policy import MovingAverage
 from diloco.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
-from diloco.syncer.membership import Membership, Refused
+from diloco.syncer.membership import Membership, Refused, rejoined
 from diloco.syncer.round_timing import RoundTiming
 from diloco.syncer import downlink, persistence, phase, rounds
 from diloco.syncer.buffers import Buffers
@@ -55,6 +56,7 @@ REUSED_FRAGMENTS = 1
 """Free buffers kept for reuse, in sizes of the largest fragment: one embedding fragment's worth holds the few
 smaller buffers a round of any other fragment needs. 3 (before) held 0.45 F more at GPT-2's peak for pushes that
 went no faster (1.08 against 1.06 GB/s through SyncerCore, benchmarks/syncer_throughput.py)."""
+log = logging.getLogger("diloco.syncer")
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 
 
@@ -229,15 +231,20 @@ class SyncerCore(Membership, RoundTiming):
         with self.lock:
             now = self.clock()
             record = self.learners.get(learner_id)
+            how = ("joined the run" if record is None else
+                   f"rejoined under its id (new session) {rejoined(record, now, self.cfg.absent_after_seconds)}")
             if record is None:
                 record = LearnerRecord(learner_id, session, now, now)
                 self.learners[learner_id] = record
-            record.tokens_base = record.tokens_trained  # the new session counts from 0: what it trained still counts
+            # the new session counts from 0: what it trained still counts
+            record.tokens_base, record.steps_base = record.tokens_trained, record.step
             record.session, record.joined_at, record.last_seen, record.left, record.left_at = session, now, now, False, None
+            record.absent = False
             record.credential = credential or learner_id
             record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None
             self.record_event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
+        log.info("learner %s %s", learner_id, how)
         return session
 
     def _start_position(self, learner_id: str) -> int | None:
@@ -289,7 +296,7 @@ class SyncerCore(Membership, RoundTiming):
     ) -> PushResult:
         with self.lock:
             record = self._record(learner_id, session)
-            record.last_seen = self.clock()
+            self._heard(record)
             if 0 <= fragment < len(self.fragments) and not self.owns(fragment):
                 return PushResult(False, f"wrong shard: fragment {fragment} is served by {self.owner(fragment)}")
             if seq <= record.merged_before(session, fragment):

@@ -33,11 +33,14 @@ class _Context:
 
     def __init__(self, context):
         self._context = context
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+        """The code and message the RPC was ended with, once `abort` was called."""
 
     def __getattr__(self, name):
         return getattr(self._context, name)
 
     async def abort(self, code, details: str = "", trailing_metadata=()):
+        self.aborted = (code, short(details))
         await self._context.abort(code, short(details), trailing_metadata)
 
 

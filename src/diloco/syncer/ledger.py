@@ -42,6 +42,10 @@ class LearnerRecord:
     """Tokens it trained in all its sessions: its current session's count (its heartbeats) on `tokens_base`."""
     tokens_base: int = 0
     """Tokens it trained in its earlier sessions, as last heard: a learner that restarts counts from 0 again."""
+    steps_base: int = 0
+    """Steps it took in its earlier sessions, as last heard: `step` is its current session's count on this."""
+    absent: bool = False
+    """Whether its absence was noted (logged) and it has not been heard from since; not saved."""
     tokens_merged: float = 0.0
     """Σ tokens of this learner's merged contributions, divided by P (each token trains every fragment)."""
     data_position: int = 0
@@ -82,7 +86,7 @@ class LearnerRecord:
 
     SAVED = ("id", "left", "step", "tokens_trained", "tokens_merged", "data_position", "loss",
              "tokens_per_second", "pushes", "merged", "refused", "applied", "speed", "merged_seq",
-             "credential", "tokens_accepted", "tokens_base")
+             "credential", "tokens_accepted", "tokens_base", "steps_base")
 
     @property
     def session_hash(self) -> str:
@@ -111,8 +115,9 @@ class LearnerRecord:
         record.restored_hash = data["session_hash"] if "session_hash" in data else session_hash(data["session"])
         if not isinstance(record.restored_hash, str):
             raise TypeError(f"session_hash of learner {record.id!r} is not a string")
+        optional = ("credential", "tokens_accepted", "tokens_base", "steps_base")  # absent from older ledgers
         for k in cls.SAVED:
-            if k in data or k not in ("credential", "tokens_accepted", "tokens_base"):  # absent from older ledgers
+            if k in data or k not in optional:
                 setattr(record, k, data[k])
         record.merged_seq = hashed_seqs(record.merged_seq)  # a ledger saved with secrets in it: hashed now
         record.step_time.value, record.contribution_tokens.value = data["step_time"], data["contribution_tokens"]

@@ -6,8 +6,12 @@ Every method here may run on any thread (core.py's docstring: Threading), under 
 
 from __future__ import annotations
 
+import logging
+
 from diloco.policy import Averages
 from diloco.syncer.ledger import LearnerRecord
+
+log = logging.getLogger("diloco.syncer")
 
 DEPARTED_KEPT = 4096
 """Records of learners that left or are absent kept at most (oldest forgotten first): ids cost memory."""
@@ -15,6 +19,17 @@ DEPARTED_KEPT = 4096
 
 class Refused(Exception):
     """A request the syncer will not honour; the message says why and what to do."""
+
+
+def rejoined(record: LearnerRecord, now: float, absent_after: float) -> str:
+    """How a known learner came to start a new session, for its join's log line."""
+    if not record.session:  # a restored record: the saved ledger holds no session secret
+        return "after the syncer restarted"
+    if record.left:
+        return "after leaving" + (f" {now - record.left_at:.0f} s ago" if record.left_at is not None else "")
+    if record.absent or now - record.last_seen > absent_after:
+        return f"after {now - record.last_seen:.0f} s absent"
+    return "while its earlier session was live (a restarted process): that session ends"
 
 
 class Membership:
@@ -29,12 +44,14 @@ class Membership:
         """Record liveness and progress; returns True when the learner should stop (budget reached). Any thread."""
         with self.lock:
             record = self._record(learner_id, session)
-            record.last_seen = self.clock()
+            self._heard(record)
             if self.training_started_at is None and (progress.get("tokens_trained") or 0) > 0:
                 self.training_started_at = record.last_seen  # a duration counts training, not start-up
             progress.pop("data_position", None)  # the ledger's position moves only when work is merged
             if progress.get("tokens_trained") is not None:  # the session's count, on its earlier sessions'
                 progress["tokens_trained"] += record.tokens_base
+            if progress.get("step") is not None:
+                progress["step"] += record.steps_base
             step_seconds = progress.pop("step_seconds", None)
             if step_seconds:
                 record.step_time.update(step_seconds)
@@ -42,6 +59,27 @@ class Membership:
                 if value is not None:
                     setattr(record, key, value)
             return self.should_stop()
+
+    def _heard(self, record: LearnerRecord) -> None:
+        """The learner was heard from in its current session (the lock held): back, if it was absent."""
+        now = self.clock()
+        if record.absent:
+            record.absent = False
+            log.info("learner %s is back after %.0f s absent (same session)", record.id, now - record.last_seen)
+        record.last_seen = now
+
+    def note_absences(self) -> list[str]:
+        """Mark learners not heard from for absent_after_seconds as absent, one log line each; returns their ids.
+        Nothing changes for them but the line: `live` already leaves them out."""
+        with self.lock:
+            now, after = self.clock(), self.cfg.absent_after_seconds
+            gone = [r for r in self.learners.values() if not r.left and not r.absent and now - r.last_seen > after]
+            for r in gone:
+                r.absent = True
+        for r in gone:
+            log.warning("learner %s is absent: not heard from for %.0f s (absent after %g s); it may come back or "
+                        "rejoin under its id", r.id, now - r.last_seen, after)
+        return [r.id for r in gone]
 
     def heartbeat_reply(self, learner_id: str, session: str, **progress) -> tuple[bool, float | None, int, float | None]:
         """`heartbeat`, then what its reply carries: (stop, phase lead, tokens trained, budget progress), read
@@ -93,6 +131,14 @@ class Membership:
             record = self._record(learner_id, session)
             record.left, record.left_at = True, self.clock()
             self.record_event("leave", learner=learner_id)
+        log.info("learner %s left the run (step %d, %d tokens trained)", learner_id, record.step,
+                 record.tokens_trained)
+
+    def refused_join(self, learner_id: str, reason: str) -> None:
+        """Count a refused join in `refusals` by its reason, as refused pushes are, and put it on the tape."""
+        with self.lock:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.record_event("refusal", learner=learner_id, rpc="join", reason=reason)
 
     def live(self) -> frozenset[str]:
         with self.lock:

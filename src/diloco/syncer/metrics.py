@@ -13,14 +13,14 @@ MAX_REASONS = 32
 """Distinct `reason` labels of diloco_refusals; later new ones count as "other" (labels must not grow unbounded)."""
 
 
-def reason_label(reason: str) -> str:
+def reason_label(reason: str, limit: int = 40) -> str:
     """A short, bounded label for a refusal reason: its text before the first ':' with numbers and quoted values
-    left out ("contribution based on version 7 of fragment 3 ..." is "stale"), at most 40 characters."""
+    left out ("contribution based on version 7 of fragment 3 ..." is "stale"), at most `limit` characters."""
     if reason.startswith("contribution based on version"):
         return "stale"
     text = reason.split(":")[0]
     text = re.sub(r"'[^']*'|\"[^\"]*\"|\d+", "", text)
-    return " ".join(text.split())[:40] or "other"
+    return " ".join(text.split())[:limit] or "other"
 
 
 PER_LEARNER = (

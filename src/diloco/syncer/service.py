@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from grpc.aio import AbortError
 
 from diloco import codec
 from diloco.digest import check_held, held_fragments
@@ -31,6 +32,7 @@ from diloco.syncer.downlink import Publication, for_current_session
 from diloco.syncer.guard import ShuttingDown, guarded, short
 from diloco.syncer.initial_model import InitialModelFile
 from diloco.syncer.initial_upload import IDLE, InitialUpload
+from diloco.syncer.join_refusals import JoinRefusals
 from diloco.syncer.ledger import NOBODY, session_hash
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
@@ -50,6 +52,8 @@ HEARTBEATS_PER_SECOND = 100.0
 many: a flood from one credential costs the syncer a bounded share of its time."""
 EXPIRY_SECONDS = 10.0
 """How often departed learners' records are looked at for expiry (SyncerCore.expire)."""
+ABSENCE_CHECK_SECONDS = 0.5
+"""How often learners are looked at for a new absence, which is logged (SyncerCore.note_absences)."""
 
 
 class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
@@ -104,6 +108,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         self._samples: dict[str, tuple[str, bounds.Sample]] = {}
         """Per learner: (session, its last accepted heartbeat counters), for the rate bound on them."""
         self._warned: set[tuple[str, str]] = set()
+        self._join_refusals = JoinRefusals(log)
 
     async def _core(self, fn, *args, **kwargs):
         """Run a SyncerCore call (or anything touching its tensors) on the core worker, after those queued before."""
@@ -282,6 +287,26 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     # ---- RPCs ---------------------------------------------------------------------------------------------
     @guarded
     async def Join(self, request, context):
+        replies = self._join(request, context)
+        try:
+            async for reply in replies:
+                yield reply
+        except AbortError:
+            if context.aborted is not None and context.aborted[0] != grpc.StatusCode.UNAVAILABLE:
+                await self._refused_join(request.learner_id, context.aborted[1])
+            raise
+        finally:
+            await replies.aclose()  # a join cut short gives back what it did not send, now
+
+    async def _refused_join(self, learner_id: str, details: str) -> None:
+        """A refused join, logged and counted in /status `refusals` (join_refusals.py)."""
+        reason = self._join_refusals.log(learner_id, details)
+        try:
+            await self._ledger(self.core.refused_join, shown(learner_id), reason)
+        except ShuttingDown:
+            pass
+
+    async def _join(self, request, context):
         self._count_in(request)
         credential = await self._check_credential(context, request.learner_id, request.token)
         await self._check_id(context, request.learner_id)
@@ -320,8 +345,9 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         self._samples[request.learner_id] = (session, bounds.Sample(0, 0, time.monotonic()))
         kept = held_fragments([(self.core.fragments[i].fragment, version) for i, version, _ in snapshot],
                               self._initial_digests, held)
-        log.info("learner %s joined%s", request.learner_id,
-                 f" ({len(kept)} of {len(snapshot)} fragments already held: not sent)" if kept else "")
+        if kept:
+            log.info("learner %s holds %d of %d fragments already: not sent", request.learner_id, len(kept),
+                     len(snapshot))
         total = sum(codec.encoded_size(values.numel(), "fp32") for i, _, values in snapshot if i not in kept)
         header = pb.JoinHeader(session=session, config_json=self.core.cfg.to_json(), fragments=len(snapshot),
                                data_position=record.data_position, total_bytes=total,
@@ -553,7 +579,6 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             await self._ledger(self.core.leave, request.learner_id, request.session)
         except Refused:
             return self._count_out(pb.LeaveReply())  # leaving twice, or after a re-join elsewhere, is harmless
-        log.info("learner %s left", request.learner_id)
         self.wake.set()
         return self._count_out(pb.LeaveReply())
 
@@ -562,11 +587,14 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         """Close rounds when the policy says so: after each request, and at the times it asks to be woken. Also
         watches the event loop's lag meanwhile."""
         lag = asyncio.create_task(self.watch_loop_lag())
-        expired_at = time.monotonic()
+        expired_at = absences_at = time.monotonic()
         try:
             while not stop.is_set():
                 publications = await self._core(self.core.poll)
                 self.deliver(publications)
+                if time.monotonic() - absences_at > ABSENCE_CHECK_SECONDS:
+                    absences_at = time.monotonic()
+                    await self._ledger(self.core.note_absences)
                 if time.monotonic() - expired_at > EXPIRY_SECONDS:
                     expired_at = time.monotonic()
                     self._forget(await self._core(self.core.expire))

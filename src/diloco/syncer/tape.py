@@ -114,8 +114,9 @@ def summarise(events: list[dict]) -> dict:
         staleness[c["staleness"]] = staleness.get(c["staleness"], 0) + 1
     refusals: dict[str, int] = {}
     for e in events:
-        if e.get("event") == "refusal":
-            reason = str(e.get("reason", "")).split(":")[0]
+        if e.get("event") == "refusal":  # a join's reason is already short ("join: model mismatch")
+            reason = str(e.get("reason", ""))
+            reason = reason if e.get("rpc") == "join" else reason.split(":")[0]
             refusals[reason] = refusals.get(reason, 0) + 1
     span = [e["wall"] for e in events if "wall" in e]
     return {

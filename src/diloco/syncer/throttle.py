@@ -11,11 +11,13 @@ INTERVAL = 30.0
 
 
 class Throttled:
-    """`error(kind, message)` logs at once the first time, then at most once per `interval` per kind, saying how many
-    were left out meanwhile; `recovered(kind)` says how many were left out since the last line and starts over."""
+    """`error(kind, message)` logs (at `level`) at once the first time, then at most once per `interval` per kind,
+    saying how many were left out meanwhile; `recovered(kind)` says how many were left out since the last line and
+    starts over."""
 
-    def __init__(self, logger: logging.Logger, interval: float = INTERVAL, clock=time.monotonic):
-        self.logger, self.interval, self.clock = logger, interval, clock
+    def __init__(self, logger: logging.Logger, interval: float = INTERVAL, clock=time.monotonic,
+                 level: int = logging.ERROR):
+        self.logger, self.interval, self.clock, self.level = logger, interval, clock, level
         self._lock = threading.Lock()
         self._kinds: dict[str, list] = {}
         """kind: [time of its last line, occurrences left out since]"""
@@ -30,7 +32,7 @@ class Throttled:
             self._kinds[kind] = [now, 0]
         if left_out:
             message += f" ({left_out} more like it in the last {self.interval:.0f} s not logged)"
-        self.logger.error("%s", message)
+        self.logger.log(self.level, "%s", message)
 
     def recovered(self, kind: str) -> int:
         """Forget `kind`; returns how many of its errors were left out of the log since its last line."""
