@@ -89,3 +89,15 @@ def test_all_finite_finds_any_nan_or_inf(bad):
     assert codec.all_finite(x) and codec.all_finite(torch.zeros(0))
     x[537] = bad
     assert not codec.all_finite(x)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 1000, 300_000])
+def test_round_trip_is_bitwise_what_the_receiver_decodes(name, numel):
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g) * torch.logspace(-6, 2, numel)  # scales of every size across blocks
+    x[: min(numel, 2 * BLOCK)] = 0.0 if numel > 3 * BLOCK else x[: min(numel, 2 * BLOCK)]  # whole zero blocks
+    expected = decode(encode(x, name))
+    got = codec.round_trip(x, name)
+    assert got.dtype == torch.float32 and got.shape == (numel,)
+    assert torch.equal(got, expected)

@@ -122,16 +122,38 @@ def _encode_blocks(x: torch.Tensor, levels: int, codec: str, scales: np.ndarray,
         padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
         padded[: x.numel()] = x
         padded = padded.view(blocks, BLOCK)
-    stored = (padded.abs().amax(dim=1) / levels).to(torch.bfloat16)
-    scale = stored.to(torch.float32)  # quantise with the scale the receiver will read
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(padded.div_(safe[:, None])).clamp_(-levels, levels).to(torch.int8)
+    stored, q = quantise_blocks(padded, levels)
     np.copyto(scales, stored.view(torch.int16).numpy())
     if codec == "int8":
         np.copyto(body, q.view(torch.uint8).view(-1).numpy())
         return
     nibbles = (q + 8).to(torch.uint8).view(-1)  # 1..15, two per byte: even index low, odd index high
     np.copyto(body, (nibbles[0::2] | (nibbles[1::2] << 4)).numpy())
+
+
+def quantise_blocks(padded: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of BLOCK fp32 values (overwritten) → (their bf16 scales, int8 values in −levels..levels), on the rows'
+    device. A value decodes as its integer times its block's scale read back as fp32."""
+    stored = (padded.abs().amax(dim=1) / levels).to(torch.bfloat16)
+    scale = stored.to(torch.float32)  # quantise with the scale the receiver will read
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(padded.div_(safe[:, None])).clamp_(-levels, levels).to(torch.int8)
+    return stored, q
+
+
+def round_trip(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """The fp32 values a receiver decodes from `encode(x, codec)`, computed where `x` lives (a GPU included) without
+    making the bytes or reading anything back to the host: bitwise what `decode(encode(x, codec))` gives."""
+    x = x.detach().reshape(-1).to(torch.float32)
+    if check_codec(codec) == "fp32":
+        return x.clone()
+    if codec == "bf16":
+        return x.to(torch.bfloat16).to(torch.float32)
+    blocks = -(-x.numel() // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
+    padded[: x.numel()] = x
+    stored, q = quantise_blocks(padded.view(blocks, BLOCK), _LEVELS[codec])
+    return q.to(torch.float32).mul_(stored.to(torch.float32)[:, None]).view(-1)[: x.numel()]
 
 
 _INT4_PAIRS = np.array([[(b & 0x0F) - 8, (b >> 4) - 8] for b in range(256)], dtype=np.float32)

@@ -30,20 +30,21 @@ def weighted_mean(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def rda(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Radial-directional average of the rows of `deltas`; falls back to the mean if directions cancel."""
+    """Radial-directional average of the rows of `deltas`; falls back to the mean if directions cancel. Branch-free,
+    so that on a GPU nothing waits for the device."""
     w = weights / weights.sum()
     norms = deltas.norm(dim=1)
-    units = deltas / torch.where(norms > _EPS, norms, torch.ones_like(norms))[:, None]
-    units[norms <= _EPS] = 0.0
+    kept = norms > _EPS  # unit(0) = 0
+    units = torch.where(kept[:, None], deltas / torch.where(kept, norms, torch.ones_like(norms))[:, None], 0.0)
     direction = (w[:, None] * units).sum(dim=0)
     length = direction.norm()
-    if length <= 1e-6:
-        return weighted_mean(deltas, weights)
-    return (w * norms).sum() * direction / length
+    merged = (w * norms).sum() * direction / torch.where(length > 1e-6, length, torch.ones_like(length))
+    return torch.where(length > 1e-6, merged, weighted_mean(deltas, weights))
 
 
-def merge(deltas: list[torch.Tensor], weights: list[float], segments: list[tuple[int, bool]], method: str = "rda") -> torch.Tensor:
-    """Merge flat fragment deltas; `segments` lists (elements, is-embedding) per tensor in payload order.
+def merge(deltas: list[torch.Tensor], weights, segments: list[tuple[int, bool]], method: str = "rda") -> torch.Tensor:
+    """Merge flat fragment deltas; `weights` a list of floats or a tensor; `segments` lists (elements, is-embedding)
+    per tensor in payload order. On the deltas' device, and on a GPU without waiting for it.
 
     `method="mean"` uses the weighted mean for every tensor (synchronous DiLoCo's plain averaging).
     """
@@ -53,9 +54,9 @@ def merge(deltas: list[torch.Tensor], weights: list[float], segments: list[tuple
         raise ValueError("nothing to merge")
     if len(deltas) == 1:
         return deltas[0].clone()  # both rules are the identity for one contribution; skip their rounding
-    w = torch.tensor(weights, dtype=torch.float32)
-    if not torch.all(w >= 0) or w.sum() <= 0:
-        w = torch.ones_like(w)  # no usable token counts: treat contributions equally
+    w = torch.as_tensor(weights, dtype=torch.float32, device=deltas[0].device)
+    usable = (w >= 0).all() & (w.sum() > 0)
+    w = torch.where(usable, w, torch.ones_like(w))  # no usable token counts: treat contributions equally
     stacked = torch.stack(deltas)
     out = torch.empty_like(deltas[0])
     offset = 0

@@ -32,3 +32,30 @@ def delayed_nesterov_step(theta: torch.Tensor, delta: torch.Tensor, momentum: to
         pending.zero_()
         pending_share = 0.0
     return pending_share
+
+
+def outer_update(theta: torch.Tensor, delta: torch.Tensor, cfg, momentum: torch.Tensor | None,
+                 pending: torch.Tensor | None, share: float, pending_share: float, final: bool = False) -> float:
+    """One round's outer step on a parameter fragment's Θ, in place, under `cfg` (a SyncConfig); `delta` is the
+    round's merged Δ, already scaled by its `share` of the expected tokens, and may be overwritten. Returns the new
+    pending share (the delayed forms' count of rounds since the momentum last advanced).
+
+    μ = 0: the plain step Θ ← Θ − η·Δ (no momentum kept). `final` (a round of learners' last pushes): the plain
+    step −η·Δ/N, momentum and pending sum left as they are. Delayed forms (`delayed_momentum`, `momentum_every` N >
+    1): Δ/N joins the pending sum, counted as share/N (or 1/N), and the momentum advances once it reaches 1.
+    Otherwise Nesterov on every round."""
+    every = cfg.momentum_every
+    if not cfg.keeps_outer_state:
+        theta.sub_(delta, alpha=cfg.outer_lr)
+        return pending_share
+    if final:
+        theta.sub_(delta, alpha=cfg.outer_lr / every)
+        return pending_share
+    if cfg.delayed_momentum or every > 1:
+        if every > 1:  # N rounds then move Θ as one synchronous round of their mean Δ
+            delta.div_(every)
+        counts = (share if cfg.delayed_momentum else 1.0) / every
+        return delayed_nesterov_step(theta, delta, momentum, pending, counts, pending_share, cfg.outer_lr,
+                                     cfg.outer_momentum)
+    nesterov_step(theta, delta, momentum, cfg.outer_lr, cfg.outer_momentum)
+    return pending_share

@@ -13,7 +13,7 @@ import torch
 from diloco import codec
 from diloco.config import SyncConfig
 from diloco.merge import token_weight
-from diloco.outer import delayed_nesterov_step, nesterov_step
+from diloco.outer import outer_update
 from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
 from diloco.syncer.norm_guard import MIN_SAMPLES, PRIOR_PER_STEP, fragment_scale
@@ -94,32 +94,23 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         fs.direction.published(delta, {core.learners[c.learner].credential or c.learner for c in contributions})
     pending_share = fs.pending_share
     # buffers take their token-weighted mean, Θ − mean(Θ_base − b_m), with no outer optimizer; with μ = 0
-    # Nesterov, delayed or not, is Θ ← Θ − η·Δ
-    plain = 1.0 if not params else None if core.cfg.keeps_outer_state else core.cfg.outer_lr
-    if plain is None and all(c.final for c in contributions):
-        # learners' last pushes after training ended: their progress, without the momentum's look-ahead. Each
-        # finishing learner makes rounds of its own, and a momentum step in each extrapolated the run's past
-        # direction again at its very end (docs/results.md, "The paper preset")
-        plain = core.cfg.outer_lr / core.cfg.momentum_every
-    if plain is not None and fs.residual is not None:
+    # Nesterov, delayed or not, is Θ ← Θ − η·Δ. Learners' last pushes after training ended (`final`) take no
+    # momentum step: each finishing learner makes rounds of its own, and a look-ahead in each extrapolated the run's
+    # past direction again at its very end
+    final = params and all(c.final for c in contributions)
+    if (not params or not core.cfg.keeps_outer_state) and fs.residual is not None:
         # Θ = P + residual − η·Δ, made in the round's sum: no fragment-sized temporary beside it
-        theta = delta.mul_(-plain).add_(fs.published).add_(fs.residual)
-    elif plain is not None:
+        theta = delta.mul_(-(core.cfg.outer_lr if params else 1.0)).add_(fs.published).add_(fs.residual)
+    elif not params:
         theta = fs.outer_values()
-        theta.sub_(delta, alpha=plain)
-    elif core.cfg.delayed_momentum or core.cfg.momentum_every > 1:
-        theta = fs.outer_values()  # the kept tensor, or P + residual made for this round
-        if fs.pending_delta is None:
-            fs.pending_delta = torch.zeros_like(theta)
-        every = core.cfg.momentum_every
-        if every > 1:  # N rounds then move Θ as one synchronous round of their mean Δ
-            delta.div_(every)
-        counts = (share if core.cfg.delayed_momentum else 1.0) / every
-        pending_share = delayed_nesterov_step(theta, delta, fs.momentum, fs.pending_delta, counts,
-                                              fs.pending_share, core.cfg.outer_lr, core.cfg.outer_momentum)
+        theta.sub_(delta)
     else:
-        theta = fs.outer_values()
-        nesterov_step(theta, delta, fs.momentum, core.cfg.outer_lr, core.cfg.outer_momentum)
+        theta = fs.outer_values()  # the kept tensor, or P + residual made for this round
+        if core.cfg.keeps_outer_state and fs.pending_delta is None and (core.cfg.delayed_momentum
+                                                                       or core.cfg.momentum_every > 1):
+            fs.pending_delta = torch.zeros_like(theta)
+        pending_share = outer_update(theta, delta, core.cfg, fs.momentum, fs.pending_delta, share, fs.pending_share,
+                                     final)
     version = fs.version + 1
     if lossy:
         downlink.publish_change(fs, version, core.cfg.down_codec, theta)
