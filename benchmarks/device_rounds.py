@@ -30,6 +30,11 @@ from diloco.schedule import due
 from diloco.syncer.rounds import counted_as
 
 
+HONEST_LEARNERS = dict(clip_norm_ratio=0.0, norm_ceiling=0.0, max_norm_ratio=0.0, max_counter_ratio=0.0,
+                       max_round_ratio=0.0, direction_floor=0.0)
+"""The defences against hostile learners off: device rounds leave them out (honest learners)."""
+
+
 @dataclass
 class Slot:
     """One learner's view of one fragment."""

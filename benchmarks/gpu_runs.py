@@ -140,6 +140,72 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
     return out
 
 
+def run_device(setup: Setup, name: str, learners: int, preset: str, deadline: float,
+               dtypes: list[torch.dtype] | None = None, speeds: list[float] | None = None, log=print,
+               overrides: dict | None = None, compile_model: bool = False) -> Outcome:
+    """`run_decoupled`'s run with the learners' rounds on the device (device_rounds.DeviceRounds): nothing per step
+    waits for the device, so its speed is the training's. Learners step in turn as there; rounds close at the end of
+    each turn; `HONEST_LEARNERS` (no defences) over the preset's settings."""
+    from device_rounds import HONEST_LEARNERS, DeviceRounds
+
+    from diloco import for_mode
+
+    dtypes = dtypes or [torch.bfloat16] * learners
+    speeds = speeds or [1.0] * learners
+    cfg = for_mode("decoupled", learners, preset=preset, **{**HONEST_LEARNERS, **(overrides or {})})
+    reps = [Replica(setup, dtype) for dtype in dtypes]
+    rounds = DeviceRounds([rep.model for rep in reps], cfg)
+    if compile_model:
+        for rep in reps:  # the parameters stay the ones the rounds hold
+            rep.model = torch.compile(rep.model)
+    eval_model = build_model(setup.model, setup.train.seed).to(setup.device)
+    per = max(1, round(setup.batch / learners * setup.learner_batch_scale))
+    samplers = [ShardSampler(setup.train_tokens, i, learners, setup.model.seq_len, per, setup.train.seed)
+                for i in range(learners)]
+    tokens_per_step = per * setup.model.seq_len
+    total = max(tokens_per_step, setup.tokens // tokens_per_step * tokens_per_step)
+    points, credit = eval_points(total, setup.evals), [0.0] * learners
+    out, started = Outcome(name), time.monotonic()
+
+    def global_loss() -> float:
+        eval_model.load_state_dict(rounds.params())
+        return heldout_loss(eval_model, setup.eval_data, setup.device)
+
+    while out.tokens < total:
+        for i, (rep, sampler) in enumerate(zip(reps, samplers)):
+            credit[i] += speeds[i]
+            if credit[i] < 1 or out.tokens >= total:
+                continue
+            credit[i] -= 1
+            x, y = (t.to(setup.device, non_blocking=True) for t in sampler.next_batch())
+            rep.step(x, y, lr_at(rounds.steps[i], setup.train, out.tokens / total))
+            rounds.stepped(i, tokens_per_step)
+            out.tokens += tokens_per_step
+        rounds.end_turn()
+        if points and out.tokens >= points[0] and out.tokens < total:
+            points.pop(0)
+            out.curve.append((out.tokens, global_loss()))
+            log(f"  {name}: {out.tokens:,} tokens, held-out {out.curve[-1][1]:.4f}")
+        if time.monotonic() > deadline and out.tokens < total:
+            out.stopped = f"time budget: stopped after {out.tokens:,} of {total:,} tokens"
+            break
+    sync(setup.device)
+    trained = time.monotonic() - started
+    before_finish = global_loss()
+    for i in range(learners):
+        rounds.finish(i)
+    rounds.end_turn()
+    out.curve.append((out.tokens, global_loss()))
+    log(f"  {name}: {out.tokens:,} tokens, held-out {out.final:.4f} (final)")
+    sync(setup.device)
+    out.seconds = time.monotonic() - started
+    out.extra = dict(learners=learners, preset=preset, learner_batch=per, sync=json.loads(cfg.to_json()),
+                     before_finish=before_finish, dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+                     speeds=speeds, rounds=rounds.closed, steps=rounds.steps, compiled=compile_model,
+                     training_tokens_per_second=out.tokens / trained if trained else None)
+    return out
+
+
 def finish_all(local, members, timeout: float) -> None:
     """Every learner's finish (apply what is out, push what is left, leave) at once, while this thread ticks the
     in-process syncer: the rounds they wait for close on its clock, and nothing else would tick it."""

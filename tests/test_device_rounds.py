@@ -14,11 +14,11 @@ from diloco.train.config import ModelConfig, TrainConfig, lr_at
 from diloco.train.data import ShardSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from device_rounds import DeviceRounds  # noqa: E402
+from device_rounds import HONEST_LEARNERS, DeviceRounds  # noqa: E402
 from gpu_setup import Replica, Setup  # noqa: E402
 
 # honest learners: the defences are left out of device rounds (their docstring says why)
-HONEST = dict(clip_norm_ratio=0.0, norm_ceiling=0.0, max_norm_ratio=0.0, max_counter_ratio=0.0, max_round_ratio=0.0)
+HONEST = HONEST_LEARNERS
 
 
 def setup() -> Setup:
