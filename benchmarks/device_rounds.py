@@ -168,8 +168,9 @@ class DeviceRounds:
         fs, fragment = self.fragments[p], self.layout[p]
         weights = torch.tensor([token_weight(*x.counted, fs.version - x.base_version, self.cfg.staleness_decay)
                                 for x in pushes])
-        delta = merge([x.delta for x in pushes], weights.to(pushes[0].delta.device), segments(fragment),
-                      self.cfg.merge)
+        # an asynchronous copy: a blocking one from host memory would wait for the device's queue to drain
+        delta = merge([x.delta for x in pushes], weights.to(pushes[0].delta.device, non_blocking=True),
+                      segments(fragment), self.cfg.merge)
         share = 1.0
         if self.cfg.scale_partial_rounds:
             present = {x.learner for x in pushes}

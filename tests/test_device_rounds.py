@@ -90,3 +90,30 @@ def test_a_round_of_the_defaults_gives_the_syncers_values():
     assert changed
     for name in reference:
         assert torch.allclose(got[name], reference[name], rtol=0, atol=1e-7), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_rounds_never_wait_for_the_gpu():
+    """Pushes, rounds, the outer step, the downlink and applies: none of them synchronises with the device."""
+    s = setup()
+    s.device = torch.device("cuda")
+    cfg = for_mode("decoupled", 2, fragments=4, sync_every=8, **HONEST)
+    reps = [Replica(s, torch.bfloat16) for _ in range(2)]
+    rounds = DeviceRounds([r.model for r in reps], cfg)
+    samplers = [ShardSampler(s.train_tokens, i, 2, s.model.seq_len, 4, 0) for i in range(2)]
+    for step in range(20):
+        for i, (rep, sampler) in enumerate(zip(reps, samplers)):
+            x, y = (t.to(s.device) for t in sampler.next_batch())
+            rep.step(x, y, 1e-3)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                rounds.stepped(i, x.numel())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rounds.end_turn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert rounds.closed > 0
