@@ -4,7 +4,7 @@ import pytest
 from rich.console import Console
 
 from diloco.run.accounting import advance_interval, fault_windows, goodput, healthy_rate, new_steps, tokens_per_life, uptime
-from diloco.run.display import human_bytes, progress_table
+from diloco.status_view import human_bytes, progress_table
 
 
 def test_a_round_held_for_predicted_pushes_is_not_downtime():

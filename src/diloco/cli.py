@@ -1,4 +1,4 @@
-"""The `diloco` command line: run, syncer, learner, inspect, simulate."""
+"""The `diloco` command line: run, syncer, learner, status, inspect, simulate."""
 
 from __future__ import annotations
 
@@ -372,9 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "which is printed apart)")
     p.set_defaults(func=cmd_replay)
 
+    from diloco import status_command
     from diloco.chaos import cli as chaos_cli
     from diloco.sim import cli as sim_cli
 
+    status_command.register(sub)
     sim_cli.register(sub)
     chaos_cli.register(sub)
     return parser

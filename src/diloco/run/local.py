@@ -20,7 +20,7 @@ from diloco.config import for_mode
 from diloco.options import model_config
 from diloco.run.cluster import ClusterError, LocalCluster, RunFailed, collect_summaries, with_signal
 from diloco.run.pacing import auto_pace, parse_pace, parse_speeds
-from diloco.run.display import progress_table
+from diloco.status_view import progress_table
 from diloco.run.links import link_text
 from diloco.run.live_eval import LiveEval
 from diloco.run.report import build_report, print_summary

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from diloco.run import accounting, live_eval
 from diloco.run.live_eval import load_params
-from diloco.run.display import human_bytes
+from diloco.status_view import human_bytes
 from diloco.train.data import Corpus, eval_batches, evaluate, sample_text
 from diloco.train.model import build_model, count_parameters
 from diloco.train.tokenizer import ByteTokenizer
