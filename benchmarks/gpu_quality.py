@@ -41,12 +41,13 @@ ARMS = {"default": ("default", {}), "paper": ("paper", {}), "paper-dn2": ("paper
 """Name: (preset, syncer settings over it)."""
 
 
-def model_config(name: str, vocab: int) -> ModelConfig:
-    """5m: 6 layers, 256 wide, sequences of 256; 36m: the 35m model of gpu_scale.py; smoke: CPU scale."""
+def model_config(name: str, vocab: int, **options) -> ModelConfig:
+    """5m: 6 layers, 256 wide, sequences of 256; 36m: the 35m model of gpu_scale.py; smoke: CPU scale. `options`:
+    ModelConfig's qk_norm and z_loss."""
     shapes = {"smoke": dict(seq_len=64, d_model=64, n_layers=2, n_heads=2),
               "5m": dict(seq_len=256, d_model=256, n_layers=6, n_heads=4),
               "36m": dict(seq_len=512, d_model=512, n_layers=6, n_heads=8)}
-    return ModelConfig(vocab_size=vocab, **shapes[name])
+    return ModelConfig(vocab_size=vocab, **shapes[name], **options)
 
 
 def parse_args(argv=None):
@@ -66,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=30, help="lr warm-up steps (30)")
     p.add_argument("--evals", type=int, default=10, help="evaluations per run (10)")
     p.add_argument("--compile", action="store_true", help="torch.compile every replica")
+    p.add_argument("--qk-norm", action="store_true", help="LayerNorm on queries and keys (the model's qk_norm)")
+    p.add_argument("--z-loss", type=float, default=0.0, help="z-loss weight in the training loss (0: off; 1e-4)")
     p.add_argument("--budget", type=float, help="seconds for every run together (480; --smoke: 120)")
     args = p.parse_args(argv)
     unknown = set(args.arms.split(",")) - set(ARMS)
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     corpus_dir = args.corpus or smoke_corpus(args.out, log)
     train_tokens, heldout_tokens, vocab = load_corpus(corpus_dir, log)
-    model = model_config("smoke" if args.smoke else args.model, vocab)
+    model = model_config("smoke" if args.smoke else args.model, vocab, qk_norm=args.qk_norm, z_loss=args.z_loss)
     parameters = sum(p.numel() for p in build_model(model, 0).parameters())
     unit = args.batch * model.seq_len
     tokens = max(unit * args.evals, int(args.tokens_per_param * parameters) // unit * unit)

@@ -20,10 +20,12 @@ def run(*args, timeout=600):
 
 @pytest.mark.slow
 def test_smoke_runs_dp_and_every_arm_with_mixed_hardware(tmp_path):
-    proc = run("--smoke", "--out", str(tmp_path), "--learners", "2,3", "--arms", "default,paper-dn2", "--mixed")
+    proc = run("--smoke", "--out", str(tmp_path), "--learners", "2,3", "--arms", "default,paper-dn2", "--mixed",
+               "--qk-norm", "--z-loss", "1e-4")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_quality.json").read_text())
     assert report["commit"] and report["device"] == "cpu" and report["model"]["parameters"] > 0
+    assert report["model"]["qk_norm"] and report["model"]["z_loss"] == 1e-4
     (seed,) = report["seeds"]
     names = [r["name"] for r in seed["runs"]]
     assert names == ["default-M2", "default-M2-mixed", "paper-dn2-M2", "paper-dn2-M2-mixed",

@@ -1,6 +1,7 @@
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -113,3 +114,29 @@ def test_short_training_on_real_corpus_lowers_heldout_loss():
     finally:
         torch.set_num_threads(threads)
     assert final < 0.75 * initial, (initial, final)
+
+
+def test_qk_norm_normalises_each_heads_queries_and_keys():
+    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, qk_norm=True)
+    model = build_model(cfg, 0)
+    names = {n for n, _ in model.named_parameters()}
+    assert {"transformer.h.0.attn.q_norm.weight", "transformer.h.0.attn.k_norm.weight"} <= names
+    assert not any("q_norm" in n for n, _ in build_model(replace(cfg, qk_norm=False), 0).named_parameters())
+    attn, seen = model.transformer.h[0].attn, {}
+    attn.q_norm.register_forward_hook(lambda m, i, o: seen.setdefault("q", o))
+    model(torch.randint(0, 32, (2, 8)))
+    q = seen["q"]
+    assert q.shape == (2, 2, 8, 8)  # (batch, heads, time, head width)
+    assert torch.allclose(q.mean(-1), torch.zeros(2, 2, 8), atol=1e-5)  # normalised over each head's width
+
+
+def test_z_loss_is_added_in_training_and_left_out_of_evaluation():
+    cfg = ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    plain, weighted = build_model(cfg, 0), build_model(replace(cfg, z_loss=1e-2), 0)
+    logits, ce = plain(x, y)
+    _, trained = weighted(x, y)
+    z = torch.logsumexp(logits.view(-1, 32), dim=-1).square().mean()
+    assert torch.allclose(trained, ce + 1e-2 * z)
+    weighted.eval()
+    assert torch.allclose(weighted(x, y)[1], ce)

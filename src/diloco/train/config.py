@@ -33,6 +33,14 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share one matrix between the token embedding and the output head (fewer parameters, one fewer tensor)."""
 
+    qk_norm: bool = False
+    """LayerNorm on each head's queries and keys before attention: keeps attention logits from growing at high
+    learning rates (as in the scaling-law studies of DiLoCo). Adds two small tensors per block."""
+
+    z_loss: float = 0.0
+    """Weight of the z-loss, mean(logsumexp(logits)²), added to the training loss (not to evaluation): keeps the
+    output logits' normaliser near 1. 0 turns it off; the scaling-law studies of DiLoCo use 1e-4."""
+
 
 @dataclass
 class TrainConfig:

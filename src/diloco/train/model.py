@@ -21,12 +21,17 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # query, key, value for all heads at once
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        head = cfg.d_model // cfg.n_heads
+        self.q_norm = nn.LayerNorm(head) if cfg.qk_norm else None
+        self.k_norm = nn.LayerNorm(head) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
@@ -100,7 +105,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            flat = logits.view(-1, logits.size(-1))
+            loss = F.cross_entropy(flat, targets.reshape(-1))
+            if self.cfg.z_loss and self.training:  # evaluation reports the cross-entropy alone
+                loss = loss + self.cfg.z_loss * torch.logsumexp(flat.float(), dim=-1).square().mean()
         return logits, loss
 
     @torch.no_grad()
