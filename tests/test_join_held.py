@@ -62,7 +62,7 @@ def test_learners_with_the_same_initial_model_download_none_of_it(caplog):
         twin = Learner(twin_model, GrpcTransport(p1.address), "b")  # built the same way: nothing to download
         assert p1.bytes_down < size / 10 and p1.bytes_up < size / 10
         assert same(params(twin_model), params(wide(seed=1)))
-        assert "learner b joined (2 of 2 fragments already held: not sent)" in caplog.text
+        assert "learner b holds 2 of 2 fragments already: not sent" in caplog.text
         other_model = wide(seed=2)
         other = Learner(other_model, GrpcTransport(p2.address), "c")  # different values: sent the whole model
         assert p2.bytes_down >= size
