@@ -1,6 +1,9 @@
-"""The framework-free pieces of diloco.integrations: the token rule, the budget learning rate, the rejoin record."""
+"""The framework-free pieces of diloco.integrations: the token rule, the budget learning rate, the rejoin record,
+the key lines on stderr."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,3 +81,13 @@ def test_a_rejoin_record_round_trips_and_says_what_differs_from_the_ledger(tmp_p
     (tmp_path / rejoin.RECORD_FILE).write_text("{")
     with pytest.raises(ValueError, match="is not valid JSON"):
         rejoin.read(tmp_path)
+
+
+def test_key_lines_reach_stderr_once_whether_or_not_logging_is_configured():
+    script = ("import logging; from diloco.integrations import lines\n"
+              "lines.logger().info('first line')\n"
+              "logging.basicConfig(format='configured: %(message)s', level='INFO')\n"
+              "lines.logger().info('second line')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["diloco: first line", "configured: second line"]

@@ -203,3 +203,59 @@ def test_a_checkpoint_of_another_learner_is_refused_at_train_start(tmp_path):
         assert other.global_step == 4  # restored, and stopped before training a step
     finally:
         syncer.stop()
+
+
+def status_of(syncer: SyncerThread, learner_id: str) -> dict:
+    return {x["id"]: x for x in syncer.status.get("learners", [])}.get(learner_id, {})
+
+
+def finished_worker(proc: subprocess.Popen, log: pathlib.Path) -> str:
+    proc.wait(300)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    return log.read_text()
+
+
+@pytest.mark.slow
+def test_a_sigtermed_lightning_learner_pushes_what_it_has_and_leaves_saying_so(tmp_path):
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=4, sync_every=8),
+                          ServerOptions(listen="127.0.0.1:0", http=None, out=tmp_path / "syncer"))
+    proc = None
+    try:
+        proc = worker(syncer, "alice", tmp_path, "--steps", "10000", "--save-steps", "100000")
+        wait_for(lambda: status_of(syncer, "alice").get("merged", 0) >= 2, timeout=240)
+        proc.send_signal(signal.SIGTERM)
+        log = finished_worker(proc, tmp_path / "alice.log")  # Lightning ends fit() with SystemExit: status 0
+        wait_for(lambda: status_of(syncer, "alice").get("state") == "left")
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        syncer.stop()
+    events = [json.loads(line) for line in (tmp_path / "syncer" / "tape.jsonl").read_text().splitlines()]
+    last = [c for e in events if e.get("event") == "round" for c in e["contributors"]
+            if c["learner"] == "alice" and c.get("final")]
+    assert last  # its last pushes, made after the signal, were merged
+    assert log.count("diloco: learner alice got SIGTERM: it pushes what it has and leaves the run") == 1
+    assert log.count("diloco: learner alice left the run after") == 1
+
+
+@pytest.mark.slow
+def test_a_lightning_learners_key_lines_reach_stderr_without_logging_configured(tmp_path):
+    tokens_per_step = 8 * 32
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4, heartbeat_seconds=0.1),
+                          ServerOptions(listen="127.0.0.1:0", http=None, token_budget=32 * tokens_per_step))
+    try:
+        first = finished_worker(worker(syncer, "alice", tmp_path, "--steps", "16", "--save-steps", "8"),
+                                tmp_path / "alice.log")
+        (tmp_path / "alice.log").unlink()
+        resumed = finished_worker(worker(syncer, "alice", tmp_path, "--steps", "10000", "--save-steps", "100000",
+                                         "--resume", str(tmp_path / "alice" / "step=8.ckpt")),
+                                  tmp_path / "alice.log")
+    finally:
+        syncer.stop()
+    assert first.count("diloco: learner alice joined the run at") == 1 and "resumed" not in first
+    assert first.count("diloco: learner alice left the run after 16 steps") == 1
+    assert resumed.count("diloco: learner alice joined the run at") == 1
+    assert "resumed from step 8 (" in resumed
+    assert resumed.count("diloco: learner alice: the run's budget is spent: stopping the training after step") == 1
+    assert resumed.count("diloco: learner alice left the run after") == 1

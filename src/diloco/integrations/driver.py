@@ -4,20 +4,18 @@ finished at train end. The framework callbacks only translate their hooks into t
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable
 
 import torch
 from torch import nn
 
-from diloco.integrations import rejoin
+from diloco.integrations import lines, rejoin
 from diloco.integrations.budget_lr import Schedule, follow_budget
 from diloco.integrations import tokens
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
 
-log = logging.getLogger("diloco.integrations")
 BUDGET_WAIT_MARGIN = 2.0
 """Seconds a learner with an lr_schedule waits at join, beyond the first heartbeat's period and deadline, for the
 syncer's first word on its budget."""
@@ -69,6 +67,8 @@ class LearnerDriver:
         """The record of the checkpoint the last join resumed from."""
         self.ledger_position = 0
         """Where the syncer's ledger said this learner's merged work ended, at the last join."""
+        self._stopping = False
+        """Whether the run's budget was heard spent (and said so) since the last join."""
 
     # ---- joining ------------------------------------------------------------------------------------------
     def transport(self):
@@ -88,7 +88,7 @@ class LearnerDriver:
         if self.lr_schedule is not None and optimizer is None:
             raise ValueError("lr_schedule needs the optimizer, and the framework gave none at train begin")
         self.close()  # a learner left over from a train() that raised: it leaves before this one joins
-        self.pending_tokens = 0
+        self.pending_tokens, self._stopping = 0, False
         leader = process_group is None or _rank(process_group) == 0
         learner = Learner(model, self.transport() if leader else None, self.learner_id, process_group=process_group,
                           **self.learner_options)
@@ -97,7 +97,7 @@ class LearnerDriver:
         try:
             if resumed is not None and leader:
                 for note in rejoin.compare(resumed, learner.data_position, self.versions(), source):
-                    log.warning("learner %s: %s", self.learner_id, note)
+                    lines.logger().warning("learner %s: %s", self.learner_id, note)
             if self.lr_schedule is not None:
                 self._await_budget(learner)
                 self._after_step = follow_budget(optimizer, scheduler, self.lr_schedule,
@@ -105,9 +105,11 @@ class LearnerDriver:
         except BaseException:
             self.close()
             raise
-        log.info("learner %s joined the run at %s (H=%d, %d fragments, %s)%s", self.learner_id, self.syncer,
-                 learner.config.sync_every, learner.config.fragments, learner.config.codec,
-                 f", resumed from {source}" if resumed is not None else "")
+        if leader:
+            lines.logger().info("learner %s joined the run at %s (H=%d, %d fragments, %s)%s", self.learner_id,
+                                self.syncer, learner.config.sync_every, learner.config.fragments,
+                                learner.config.codec, f", resumed from step {resumed.data_position} ({source})"
+                                if resumed is not None else "")
         return learner
 
     def _await_budget(self, learner: Learner) -> None:
@@ -141,6 +143,11 @@ class LearnerDriver:
                              f"attention_mask, labels or input_ids; pass count_tokens=... (batch -> tokens)")
         self.learner.step(counted, loss=loss, data_position=data_position)
         self._after_step()
+        if self.learner.should_stop and not self._stopping:
+            self._stopping = True
+            if self.learner.leader:
+                lines.logger().info("learner %s: the run's budget is spent: stopping the training after step %d",
+                                    self.learner_id, data_position)
         return self.learner.should_stop
 
     # ---- checkpoints and leaving --------------------------------------------------------------------------
@@ -160,14 +167,18 @@ class LearnerDriver:
         if self._joined:
             self._joined = False
             self.learner.finish(timeout=self.finish_timeout)
-            log.info("learner %s left the run after %d steps, %d pushes", self.learner_id, self.learner.step_count,
-                     self.learner.pushes)
+            if self.learner.leader:
+                lines.logger().info("learner %s left the run after %d steps, %d pushes", self.learner_id,
+                                    self.learner.step_count, self.learner.pushes)
 
     def close(self) -> None:
         """Leave without pushing what is left."""
         if self._joined:
             self._joined = False
             self.learner.close()
+            if self.learner.leader:
+                lines.logger().info("learner %s left the run after %d steps, without pushing its last ones",
+                                    self.learner_id, self.learner.step_count)
 
 
 def _rank(group) -> int:

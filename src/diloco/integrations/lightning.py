@@ -2,8 +2,9 @@
 
 At train start the callback joins (the LightningModule's values become the global model's), after every optimizer
 step it tells the learner the tokens of the batches that made the step (`accumulate_grad_batches` included), it
-stops the Trainer when the run's budget is spent and leaves the run at train end. Its state (the learner's id, step
-and the fragment versions it held) is saved in every Lightning checkpoint, so `trainer.fit(..., ckpt_path=...)`
+stops the Trainer when the run's budget is spent and leaves the run at train end, or on SIGTERM (which Lightning
+turns into the end of fit() after the batch in progress), pushing what it has first. Its state (the learner's id,
+step and the fragment versions it held) is saved in every Lightning checkpoint, so `trainer.fit(..., ckpt_path=...)`
 rejoins the same run under the same id. With the DDP strategy the Trainer's ranks are one learner, an island:
 rank 0 talks to the syncer.
 
@@ -14,18 +15,15 @@ other than -100, else input_ids), a tensor batch its elements, a tuple or list b
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Callable
 
 import lightning.pytorch as pl
 import torch
 
-from diloco.integrations import rejoin
+from diloco.integrations import lines, rejoin
 from diloco.integrations.budget_lr import Schedule
 from diloco.integrations.driver import LearnerDriver, island_group
-
-log = logging.getLogger("diloco.integrations")
 
 
 class DiLoCoCallback(pl.Callback):
@@ -90,7 +88,22 @@ class DiLoCoCallback(pl.Callback):
         self.driver.finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.driver.close()  # leave without pushing: the values may be half-updated
+        if _sigterm(exception):  # raised between whole steps: the values are a step's, as at train end
+            if self.driver.joined and self.driver.learner.leader:
+                lines.logger().info("learner %s got SIGTERM: it pushes what it has and leaves the run",
+                                    self.driver.learner_id)
+            self.driver.finish()
+        else:
+            self.driver.close()  # leave without pushing: the values may be half-updated
+
+
+def _sigterm(exception: BaseException) -> bool:
+    """Lightning's answer to SIGTERM: it ends fit() with SIGTERMException after the batch in progress."""
+    try:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+    except ImportError:  # a Lightning without it ends fit() on SIGTERM some other way
+        return False
+    return isinstance(exception, SIGTERMException)
 
 
 def _loss(outputs) -> float | None:

@@ -5,14 +5,12 @@ the syncer says at the rejoin, so a resumed trainer goes on in the same run unde
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from diloco import untrusted_files
 from diloco.atomic import write_json
 
-log = logging.getLogger("diloco.integrations")
 RECORD_FILE = "diloco_learner.json"
 """The record's name in a Hugging Face checkpoint folder (beside trainer_state.json)."""
 FORMAT = 1

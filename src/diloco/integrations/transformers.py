@@ -14,18 +14,15 @@ per micro-batch, the attention_mask's sum, else the labels other than -100, else
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Callable
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from diloco.integrations import rejoin
+from diloco.integrations import lines, rejoin
 from diloco.integrations.budget_lr import Schedule
 from diloco.integrations.driver import LearnerDriver, island_group
-
-log = logging.getLogger("diloco.integrations")
 
 
 class DiLoCoCallback(TrainerCallback):
@@ -64,7 +61,7 @@ class DiLoCoCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if model is None:
             raise ValueError("DiLoCoCallback needs the Trainer's model at train begin, and none was given")
-        resumed, source = None, ""
+        resumed, source, log = None, "", lines.logger()
         if state.global_step > 0:  # resumed: the Trainer names no folder, but it names them by step
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             source = str(folder)
@@ -119,8 +116,8 @@ class DiLoCoCallback(TrainerCallback):
         # loaded over them, which must not be pushed as this learner's progress.
         replaced = args.load_best_model_at_end and state.best_model_checkpoint is not None
         if replaced and self.driver.joined:
-            log.warning("learner %s leaves without pushing its last steps: the Trainer loaded %s over them",
-                        self.driver.learner_id, state.best_model_checkpoint)
+            lines.logger().warning("learner %s leaves without pushing its last steps: the Trainer loaded %s over "
+                                   "them", self.driver.learner_id, state.best_model_checkpoint)
         self._leave(push=not replaced)
 
     def _leave(self, push: bool) -> None:
