@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from diloco.config import SyncConfig
-from diloco.fragments import Fragment, full, named_state, plan_fragments, scatter, tensor_specs
+from diloco.fragments import Fragment, full, plan_fragments, scatter, tensor_specs
 from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restore_switch_interval
 from diloco.learner.initial import InitialModel
 from diloco.learner.island import Island
+from diloco.learner.model_tensors import ModelTensors, checked_state
 from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, kept_progress, snapshot, to_device
 from diloco.learner.transport import Arrival, PushJob, Receiver, SyncerError, Transport
 from diloco.schedule import due
@@ -100,6 +101,7 @@ class Learner:
         if self.island is None:
             _refuse_lone_rank(model)
         self.specs = tensor_specs(model, embedding_names)
+        self._model_tensors: ModelTensors | None = None
         state = self._state()
         floats = [t for t in state.values() if t.is_floating_point()]
         self.device = floats[0].device if floats else torch.device("cpu")
@@ -107,6 +109,8 @@ class Learner:
         if self.sharded and self.island is None:
             raise ValueError("this model's tensors are sharded (FSDP2): create the Learner on every rank with "
                              "process_group=... (the group the model is sharded over)")
+        if not self.sharded:  # FSDP2 swaps its parameters without registering them: walked at every use there
+            self._model_tensors = ModelTensors(model, self.specs)
         self.step_count = 0
         self.tokens = 0
         self.pushes = self.applied = self.skipped = self.refused = self.flushed = self.realigned = 0
@@ -181,14 +185,9 @@ class Learner:
 
     def _state(self) -> dict[str, torch.Tensor]:
         """The model's tensors by name, checked against what it joined with."""
-        state = named_state(self.model)
-        for s in self.specs:
-            t = state.get(s.name)
-            if t is None or tuple(t.shape) != s.shape:
-                got = "missing" if t is None else f"{list(t.shape)}"
-                raise ValueError(f"the model changed after joining: tensor {s.name} is {got}, it was {list(s.shape)}; "
-                                 f"a learner's model must keep the shape it joined with (start a new Learner)")
-        return state
+        if self._model_tensors is None:
+            return checked_state(self.model, self.specs)
+        return self._model_tensors.state()
 
     # ---- what the syncer says -----------------------------------------------------------------------------
     @property
@@ -312,6 +311,8 @@ class Learner:
         return [p for u in range(position, position + steps + 1) for p in due(u, H, P)]
 
     def _tensors(self, fragment: Fragment) -> list[torch.Tensor]:
+        if self._model_tensors is not None:
+            return self._model_tensors.tensors(fragment.specs)
         state = self._state()
         return [state[s.name] for s in fragment.specs]
 
