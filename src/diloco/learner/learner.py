@@ -18,6 +18,7 @@ from torch import nn
 
 from diloco.config import SyncConfig
 from diloco.fragments import Fragment, full, plan_fragments, scatter, tensor_specs
+from diloco.learner.costs import StepCosts
 from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restore_switch_interval
 from diloco.learner.initial import InitialModel
 from diloco.learner.island import Island
@@ -114,6 +115,8 @@ class Learner:
         self.step_count = 0
         self.tokens = 0
         self.pushes = self.applied = self.skipped = self.refused = self.flushed = self.realigned = 0
+        self.costs = StepCosts()
+        """What `step` costs the training loop: `costs.summary()` (host time, waits, pinned bytes)."""
         self._shift = 0
         """Steps this learner's push schedule runs ahead of its step count (phase alignment)."""
         self._aligned_at = -ALIGN_EVERY
@@ -221,6 +224,7 @@ class Learner:
         if tokens <= 0:
             raise ValueError(f"tokens must be positive (the tokens this step consumed), got {tokens}: a step without "
                              f"tokens would weigh nothing and never advance a token budget")
+        started = time.perf_counter()
         if self.island:
             tokens, loss = self.island.reduce_step(tokens, loss)
         self.step_count += 1  # on every rank: loops that count steps end together
@@ -239,6 +243,7 @@ class Learner:
             self._apply(p, local)
         if self.leader:
             self._lead(self._maybe_report, loss)
+        self.costs.step(time.perf_counter() - started)
 
     def _lead(self, fn, *args):
         """Run `fn` on the leader. In an island a SyncerError is held until every rank has heard of it."""
@@ -373,7 +378,9 @@ class Learner:
             if slot.pushed_at is None or self.step_count < slot.pushed_at + self.config.overlap:
                 continue
             while slot.ready is None and self.config.wait_for_merge:
+                waiting = time.perf_counter()
                 self._collect(block=True, timeout=1.0)
+                self.costs.wait(time.perf_counter() - waiting)
                 if self.transport.stop_requested and slot.ready is None:
                     break
             if slot.ready is not None:

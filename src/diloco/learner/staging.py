@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from diloco import codec
+from diloco.learner.costs import PINNED
 
 STAGE_CHUNK = 1 << 20
 """Values subtracted at a time when staging Δ: the fp32 temporaries stay a few MB."""
@@ -64,6 +65,7 @@ def snapshot(tensors: list[torch.Tensor]) -> Snapshot:
         copied = torch.cuda.Event()
         copied.record(side)
         host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
+        PINNED.add(host.nbytes)
         host.copy_(flat, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(side)

@@ -14,6 +14,7 @@ from diloco import codec
 from diloco.codec import tensor_checksum
 from diloco.config import SyncConfig
 from diloco.fragments import TensorSpec
+from diloco.learner.costs import PINNED
 from diloco.learner.staging import LiveValues, Snapshot, StagedDelta
 
 
@@ -205,6 +206,7 @@ class Receiver:
             return False
         if self.pin_memory:
             values = values.pin_memory()
+            PINNED.add(values.nbytes)
         self.held[pub.fragment] = values
         self.inbox.put(Arrival(pub.fragment, pub.version, values, refused, pub.seq))
         return True

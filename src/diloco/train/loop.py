@@ -202,7 +202,7 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
                 logged_at, logged_step = time.monotonic(), learner.step_count
             metrics.write(t=time.time(), step=learner.step_count, loss=loss, tokens=learner.tokens, busy=busy,
                       tokens_per_second=tokens_per_step * ranks / busy, pushes=learner.pushes, applied=learner.applied,
-                      versions=learner.global_fragment_versions())
+                      versions=learner.global_fragment_versions(), learner_host_ms=1e3 * learner.costs.recent[-1])
         learner.finish()
         if checkpoint is not None:
             checkpoint.maybe_save(force=True)
@@ -218,4 +218,5 @@ def run_learner(cfg: TrainConfig, transport: Transport | None, opts: WorkerOptio
         "realigned": learner.realigned, "schedule_position": learner.schedule_position, "speed": opts.speed,
         "pace": opts.pace, "pace_overruns": clock.overruns, "busy_seconds_median": busy[len(busy) // 2], "wall_seconds": time.time() - started,
         "wire_bytes": transport.wire_bytes if transport is not None else 0, "ranks": ranks,
+        "learner_costs": learner.costs.summary(),
     }
