@@ -64,16 +64,25 @@ def test_a_hostile_state_key_is_refused_naming_it(tmp_path):
         make_core(tmp_path).restore()
 
 
-def test_hostile_optional_state_files_are_set_aside(tmp_path, caplog):
-    """The highest generation written (the rollback check) and the round history are not needed to resume."""
+def test_a_hostile_generation_record_is_refused_like_a_missing_one(tmp_path):
+    """The record of the newest generation is what a rollback is told by: unreadable, it cannot tell one."""
     run(tmp_path)
-    hostile(key_path(tmp_path).with_suffix(".generation"), "fifo")  # beside the folder, like the key
+    generation = key_path(tmp_path).with_suffix(".generation")
+    hostile(generation, "fifo")  # beside the folder, like the key
+    text = refused(tmp_path)
+    assert f"{generation}, is unreadable (not a regular file (a FIFO))" in text and "--accept-rollback" in text
+    core = make_core(tmp_path)
+    core.store.accept_rollback = True
+    assert core.restore() and core.rounds == 3
+
+
+def test_a_hostile_round_history_is_set_aside(tmp_path, caplog):
+    """The round history is not needed to resume."""
+    run(tmp_path)
     hostile(tmp_path / "rounds.jsonl", "dev-zero")
     with caplog.at_level(logging.WARNING, "diloco.syncer"):
         core = make_core(tmp_path)
         assert core.restore() and core.rounds == 3
-    generation = key_path(tmp_path).with_suffix(".generation")
-    assert f"{generation} is unreadable (not a regular file (a FIFO))" in caplog.text
     assert "rounds.jsonl is not used: a symbolic link" in caplog.text
     (tmp_path / "rounds.jsonl").unlink(missing_ok=True)
     (tmp_path / "rounds.jsonl").write_text(f'{DEEP}\n[1.0, 1, "x", 1]\n7\n[2.0, 1, 1, 1]\n')

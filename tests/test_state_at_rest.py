@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from diloco import atomic, codec
+from diloco import atomic, codec, exits
+from diloco.cli import main
 from diloco.config import for_mode
 from diloco.fragments import TensorSpec, plan_fragments, tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
@@ -40,10 +41,11 @@ from diloco.wire.messages import specs_to_proto
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 
 
-def make_core(folder, recover=False, accept_rollback=False, **overrides):
+def make_core(folder, recover=False, accept_rollback=False, accept_unsigned=False, key=None, **overrides):
     cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0, **overrides)
-    return SyncerCore(cfg, clock=lambda: 100.0,
-                      store=StateStore(folder, recover=recover, accept_rollback=accept_rollback))
+    return SyncerCore(cfg, clock=lambda: 100.0, store=StateStore(folder, recover=recover, key=key,
+                                                                 accept_rollback=accept_rollback,
+                                                                 accept_unsigned=accept_unsigned))
 
 
 def push(core, lid, session, seq, fragment=1, value=0.5):
@@ -275,7 +277,7 @@ def test_a_missing_key_is_named_not_replaced(tmp_path):
     run(tmp_path / "state")
     key_path(tmp_path / "state").unlink()
     text = refused(tmp_path / "state")
-    assert f"is signed, but the state key {tmp_path / 'state.key'} is missing: put back the key file" in text
+    assert f"but the key {tmp_path / 'state.key'} is missing: put back the key file" in text
     assert not key_path(tmp_path / "state").exists()  # no new key made that would orphan the state
 
 
@@ -326,6 +328,121 @@ def test_an_honest_restart_and_a_recovery_from_a_damaged_newest_generation_resum
     assert make_core(tmp_path).restore()  # consistent and signed again
 
 
+def contents(folder) -> dict:
+    """Every file under `folder` and its bytes: a refusal must leave them as they were."""
+    return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def strip_signature(folder, name):
+    m = manifest(folder, name)
+    del m["hmac"]
+    (folder / name).write_text(json.dumps(m))
+
+
+def test_a_signed_state_is_not_resumed_after_its_key_is_deleted_and_its_signature_stripped(tmp_path):
+    # finding: whoever could delete files beside the state removed the key, dropped the manifest's signature and
+    # edited the ledger (an outer lr of 100): the syncer resumed it with one warning
+    state = tmp_path / "state"
+    run(state)
+    record = key_path(state).with_suffix(".generation")
+    key_path(state).unlink()
+    strip_signature(state, MANIFEST)
+    name = manifest(state)["files"]["ledger"]
+    ledger = json.loads((state / name).read_text())
+    ledger["config"]["outer_lr"] = 100.0
+    (state / name).write_text(json.dumps(ledger))
+    rehash(state, name)
+    before = contents(tmp_path)
+    text = refused(state)
+    assert (f"{state / MANIFEST} belongs to a state written with a state key (manifest.prev.json is signed; "
+            f"{record} exists), but the key {key_path(state)} is missing") in text
+    assert "a signed state is never resumed without its key" in text
+    assert "without its key" in refused(state, accept_unsigned=True)  # that flag is for states from before keys
+    assert contents(tmp_path) == before and not key_path(state).exists()  # nothing written, no new key
+
+
+def test_a_state_stripped_of_every_trace_of_its_key_is_resumed_only_on_the_operators_word(tmp_path):
+    state = tmp_path / "state"
+    run(state)
+    key_path(state).unlink()
+    key_path(state).with_suffix(".generation").unlink()
+    for name in (MANIFEST, PREVIOUS):
+        strip_signature(state, name)
+    before = contents(tmp_path)
+    text = refused(state)
+    assert f"{state / MANIFEST} is not signed and there is no state key {key_path(state)}" in text
+    assert "pass --accept-unsigned" in text
+    assert contents(tmp_path) == before
+
+
+def test_a_deleted_generation_record_does_not_let_the_previous_manifest_pass(tmp_path):
+    # finding: with state.generation deleted and manifest.prev.json put over manifest.json, the syncer resumed one
+    # generation back without a word
+    state = tmp_path / "state"
+    core, session = run(state)
+    newest = manifest(state)["generation"]
+    record = key_path(state).with_suffix(".generation")
+    record.unlink()
+    shutil.copyfile(state / PREVIOUS, state / MANIFEST)  # genuinely signed, one generation old
+    before = contents(tmp_path)
+    text = refused(state)
+    assert (f"the state folder {state} holds generation {newest - 1}, but the record of the newest generation this "
+            f"syncer wrote, {record}, is missing") in text
+    assert "put the record and the newest state back, or pass --accept-rollback to resume from it" in text
+    assert "--accept-rollback" in refused(state, recover=True)
+    assert contents(tmp_path) == before
+    record.write_text(json.dumps({"generation": newest - 1}))  # nor is a record written without the key taken
+    assert f"{record}, is not signed with the state key" in refused(state)
+    accepted = make_core(state, accept_rollback=True)
+    assert accepted.restore() and accepted.fragments[1].version == core.fragments[1].version - 1
+    assert push(accepted, "a", session, 9).accepted and accepted.poll()  # saved again: resumed with no flag
+    assert make_core(state).restore()
+
+
+def test_the_other_manifest_names_the_newest_generation_when_the_record_is_gone(tmp_path):
+    state = tmp_path / "state"
+    run(state)
+    newest = manifest(state)["generation"]
+    newest_bytes, previous_bytes = (state / MANIFEST).read_bytes(), (state / PREVIOUS).read_bytes()
+    (state / MANIFEST).write_bytes(previous_bytes)
+    (state / PREVIOUS).write_bytes(newest_bytes)
+    key_path(state).with_suffix(".generation").unlink()
+    assert f"holds generation {newest - 1} but this syncer last wrote {newest}" in refused(state)
+
+
+def test_a_key_kept_elsewhere_also_tells_a_whole_older_copy_of_the_folder(tmp_path):
+    """Its record is kept beside it: nothing the folder's writers can delete or put back passes for the newest."""
+    secrets, out = tmp_path / "secrets", tmp_path / "out"
+    secrets.mkdir()
+    key = secrets / "run.key"
+    core, session = run(out / "state", rounds=3, key=key)
+    assert not (out / "state.key").exists() and (secrets / "run.generation").exists()
+    shutil.copytree(out, tmp_path / "old")  # all of --state at generation 4
+    for seq in (4, 5):
+        assert push(core, "a", session, seq).accepted and core.poll()
+    shutil.rmtree(out)
+    shutil.copytree(tmp_path / "old", out)
+    assert "holds generation 4 but this syncer last wrote 6" in refused(out / "state", key=key)
+    key.unlink()  # and a signed state is not resumed without the key it names
+    assert f"but the key {key} is missing" in refused(out / "state", key=key)
+
+
+@pytest.mark.timeout(60)  # (before this was refused, the syncer served)
+def test_a_rolled_back_state_stops_diloco_syncer_with_one_line_and_exit_2(tmp_path, capsys):
+    run(tmp_path / "state")
+    key_path(tmp_path / "state").with_suffix(".generation").unlink()
+    shutil.copyfile(tmp_path / "state" / PREVIOUS, tmp_path / "state" / MANIFEST)
+    before = contents(tmp_path)
+    code = main(["syncer", "--state", str(tmp_path), "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("diloco syncer: error:")]
+    assert code == exits.USAGE and "Traceback" not in err and len(lines) == 1, err
+    assert "--accept-rollback" in lines[0]
+    after = contents(tmp_path)
+    after.pop(tmp_path / "syncer.lock", None)  # the folder's lock, held while the syncer ran
+    assert after == before  # the state, its key and its record untouched
+
+
 def test_a_state_from_before_keys_is_resumed_and_signed_by_the_next_save(tmp_path, caplog):
     state = tmp_path / "state"
     core, session = run(state)
@@ -335,10 +452,11 @@ def test_a_state_from_before_keys_is_resumed_and_signed_by_the_next_save(tmp_pat
         m = manifest(state, name)
         del m["hmac"]
         (state / name).write_text(json.dumps(m))
-    restarted = make_core(state)
+    assert "pass --accept-unsigned" in refused(state)  # unsigned and keyless: only on the operator's word
+    restarted = make_core(state, accept_unsigned=True)
     with caplog.at_level(logging.WARNING, logger="diloco.syncer"):
         assert restarted.restore()
-    assert "without a state key: it is not authenticated" in caplog.text
+    assert "written before state keys existed: resumed unauthenticated (--accept-unsigned)" in caplog.text
     assert push(restarted, "a", session, 4).accepted and restarted.poll()
     assert "hmac" in manifest(state) and key_path(state).exists()
     assert make_core(state).restore()

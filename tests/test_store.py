@@ -8,6 +8,7 @@ from diloco.config import for_mode
 from diloco.fragments import TensorSpec, plan_fragments
 from diloco import atomic
 from diloco.syncer.core import SyncerCore
+from diloco.syncer.state_key import StateKey
 from diloco.syncer.store import StateStore
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
@@ -62,6 +63,20 @@ def test_a_crash_at_any_write_step_leaves_a_consistent_loadable_state(tmp_path, 
     v = loaded.ledger["v"]
     assert v in (1, 2)
     assert torch.equal(loaded.fragments[1]["theta"], torch.full((3,), float(v)))  # ledger and tensors agree
+
+
+def test_a_crash_before_the_first_record_of_a_generation_resumes(tmp_path, monkeypatch):
+    """A manifest is never on disk without a record of a generation at most its own (a missing one is refused)."""
+    def crash(self, generation):
+        raise Crash()
+
+    s = StateStore(tmp_path)
+    real = StateKey.remember
+    monkeypatch.setattr(StateKey, "remember", lambda self, g: real(self, g) if g == 0 else crash(self, g))
+    with pytest.raises(Crash):
+        s.save({"v": 1}, {1: (1, {"theta": torch.ones(3)})})  # the manifest is written, its record is not
+    monkeypatch.undo()
+    assert StateStore(tmp_path).load().ledger == {"v": 1}
 
 
 def make_core(store, clock_value=100.0, **overrides):

@@ -89,7 +89,8 @@ def cmd_syncer(args) -> int:
                          token_budget=args.tokens, duration=args.duration, snapshot_seconds=args.snapshot_every,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                          snapshot_tokens=args.snapshot_tokens, stall_timeout=args.stall_timeout, recover=args.state_recover,
-                         accept_rollback=args.accept_rollback, state_key=args.state_key,
+                         accept_rollback=args.accept_rollback, accept_unsigned=args.accept_unsigned,
+                         state_key=args.state_key,
                          insecure=args.insecure, status_token=args.status_token,
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
                          exit_when_done=args.exit_when_done,
@@ -283,10 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--state-recover", action="store_true",
                    help="if the newest state in --state is damaged, resume from the previous consistent one")
     o.add_argument("--accept-rollback", action="store_true",
-                   help="resume from --state even if it is older than the newest state this syncer wrote (a backup)")
+                   help="resume from --state even if it is older than the newest state this syncer wrote (a backup), "
+                        "or if the record of that (beside the state key) is missing")
+    o.add_argument("--accept-unsigned", action="store_true",
+                   help="resume a --state written before state keys existed (unsigned, no key); never one that was "
+                        "signed: its next save signs it")
     o.add_argument("--state-key", type=Path, metavar="FILE",
-                   help="the key that signs the state's manifests, one per state folder (default: --state/state.key, "
-                        "made on the first start)")
+                   help="the key that signs the state's manifests, one per state folder, with the record of the "
+                        "newest generation beside it (the same name ending in .generation; default: --state/state.key, "
+                        "made on the first start); kept where the state's writers cannot write, a whole older --state "
+                        "put back is refused too")
     o.add_argument("--initial-model", type=Path, metavar="FILE.safetensors",
                    help="start from this checkpoint (e.g. the learners' pretrained weights, or a model.safetensors "
                         "this syncer wrote): no learner uploads the model, and learners holding the same values "

@@ -75,7 +75,10 @@ class ServerOptions:
     recover: bool = False
     """When the newest state in out/state is damaged, resume from the previous consistent one (--state-recover)."""
     accept_rollback: bool = False
-    """Resume from out/state even when it is older than the newest state this syncer wrote (--accept-rollback)."""
+    """Resume from out/state even when it is older than the newest state this syncer wrote, or when the record of
+    that cannot be read (--accept-rollback)."""
+    accept_unsigned: bool = False
+    """Resume an out/state written before state keys existed: unsigned, with no trace of a key (--accept-unsigned)."""
     state_key: Path | None = None
     """The key that signs out/state's manifests; None: out/state.key, created on the first save."""
     shard: tuple[int, int] = (0, 1)
@@ -362,7 +365,8 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
         except (RuntimeError, ValueError):  # not the main thread (tests): the caller sets `stop`
             pass
     store = (StateStore(opts.out / "state", recover=opts.recover, key=opts.state_key,
-                        accept_rollback=opts.accept_rollback) if opts.out else None)
+                        accept_rollback=opts.accept_rollback, accept_unsigned=opts.accept_unsigned)
+             if opts.out else None)
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
     resumed = core.restore()
     if resumed:

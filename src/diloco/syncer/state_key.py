@@ -1,10 +1,11 @@
 """The syncer's state key: 32 random bytes in a 0600 file beside the state folder (`DIR/state.key` for
-`--state DIR`), created on the first save. Every manifest carries an HMAC-SHA256 of its contents under it, and the
-manifest names each file's SHA-256 (the ledger holds the configuration), so whoever can write the state folder but
-not read the key cannot make a state the syncer accepts: recomputed hashes, a swapped file or an edited
-configuration are refused. Beside the key, `DIR/state.generation` holds the highest generation this syncer wrote,
-so an older state put back in place (a rolled-back copy, the previous manifest renamed) is told apart from the
-newest one."""
+`--state DIR`, or `--state-key FILE`), created before the first manifest. Every manifest carries an HMAC-SHA256 of
+its contents under it, and the manifest names each file's SHA-256 (the ledger holds the configuration), so whoever
+can write the state folder but not read the key cannot make a state the syncer accepts: recomputed hashes, a
+swapped file or an edited configuration are refused. Beside the key, its generation record
+(`<key without .key>.generation`) holds the highest generation this syncer wrote, signed too, so an older state
+put back in place (a rolled-back copy, the previous manifest renamed) is told apart from the newest one
+(state_trust.py decides what to do with both)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,20 @@ from diloco.atomic import write_bytes
 KEY_BYTES = 32
 log = logging.getLogger("diloco.syncer")
 DOMAIN = b"diloco-syncer-manifest-v1\0"
-"""Prefixed to what is signed: the key signs manifests and nothing else."""
+RECORD_DOMAIN = b"diloco-syncer-generation-v1\0"
+"""Prefixed to what is signed: a manifest's signature is never a valid record's, nor the other way round."""
 
 
 class BadKey(ValueError):
     """The key file exists but is not a key (the message names it and what to do)."""
+
+
+class NoRecord(Exception):
+    """The generation record at `path` cannot be used, and `why`: missing, unreadable or not signed with the key."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{path} {why}")
+        self.path, self.why = path, why
 
 
 def canonical(manifest: dict) -> bytes:
@@ -83,17 +93,33 @@ class StateKey:
             return False
         return hmac.compare_digest(given, hmac.new(key, canonical(manifest), hashlib.sha256).hexdigest())
 
-    def last_generation(self) -> int | None:
-        """The highest generation this syncer wrote; None when it never recorded one."""
+    @property
+    def traces(self) -> list[Path]:
+        """Those of the key file and its record that are there (even as something unreadable): only a syncer that
+        had a key wrote them."""
+        return [p for p in (self.path, self.generation_path) if os.path.lexists(p)]
+
+    @staticmethod
+    def _record_mac(key: bytes, generation: int) -> str:
+        return hmac.new(key, RECORD_DOMAIN + str(generation).encode(), hashlib.sha256).hexdigest()
+
+    def last_generation(self) -> int:
+        """The highest generation this syncer recorded. Raises NoRecord when the record is missing, unreadable or
+        not signed with the key: deleting or rewriting it must not pass for a state with nothing to check."""
         try:
-            value = untrusted_files.read_json(self.generation_path, 4096)["generation"]
+            record = untrusted_files.read_json(self.generation_path, 4096)
         except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError, OSError) as e:  # no rollback check rather than a refusal
-            log.warning("%s is unreadable (%s): the state is not checked for a rollback (its signatures still are)",
-                        self.generation_path, getattr(e, "why", e))
-            return None
-        return value if isinstance(value, int) else None
+            raise NoRecord(self.generation_path, "is missing") from None
+        except (ValueError, OSError) as e:
+            raise NoRecord(self.generation_path, f"is unreadable ({getattr(e, 'why', e)})") from None
+        value = record.get("generation") if isinstance(record, dict) else None
+        given = record.get("hmac") if isinstance(record, dict) else None
+        key = self.key()
+        if (key is None or not isinstance(value, int) or isinstance(value, bool) or not isinstance(given, str)
+                or not hmac.compare_digest(given, self._record_mac(key, value))):
+            raise NoRecord(self.generation_path, f"is not signed with the state key {self.path}")
+        return value
 
     def remember(self, generation: int) -> None:
-        write_bytes(self.generation_path, json.dumps({"generation": generation}).encode())
+        mac = self._record_mac(self.key(create=True), generation)
+        write_bytes(self.generation_path, json.dumps({"generation": generation, "hmac": mac}).encode())

@@ -7,8 +7,9 @@ generation is kept as well (`manifest.prev.json` and the files it names) until a
 damaged newest generation can be recovered from (`StateStore(recover=True)`, the syncer's `--state-recover`).
 
 Each manifest is signed with the syncer's state key, kept outside the folder (state_key.py): a state rewritten by
-anyone without the key is refused, and one older than the newest this syncer wrote is refused as rolled back
-unless `accept_rollback` (`--accept-rollback`). The folder is 0700 and every file in it 0600.
+anyone without the key is refused, a signed state is never resumed without its key, and one older than the newest
+this syncer wrote is refused as rolled back unless `accept_rollback` (`--accept-rollback`); state_trust.py says
+how. The folder is 0700 and every file in it 0600.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from safetensors.torch import load as load_safetensors
 from diloco import untrusted_files
 from diloco.atomic import Chunked, fsync_dir, private_folder, private_opener, save_tensor_stream, write_bytes, write_json
 from diloco.codec import all_finite
-from diloco.syncer.state_key import BadKey, StateKey
+from diloco.syncer import state_trust
+from diloco.syncer.state_key import BadKey, NoRecord, StateKey
 from diloco.syncer.throttle import Throttled
 
 MANIFEST = "manifest.json"
@@ -96,11 +98,15 @@ class StateStore:
     """Files under `folder`: manifest.json, manifest.prev.json, ledger-<n>.json, fragment-<p>-v<version>.safetensors;
     beside it the state key and the highest generation written (`key`, default `key_path(folder)`)."""
 
-    def __init__(self, folder: Path, recover: bool = False, key: Path | None = None, accept_rollback: bool = False):
+    def __init__(self, folder: Path, recover: bool = False, key: Path | None = None, accept_rollback: bool = False,
+                 accept_unsigned: bool = False):
         self.folder = Path(folder)
         private_folder(self.folder, log)
-        self.recover, self.accept_rollback = recover, accept_rollback
+        self.recover, self.accept_rollback, self.accept_unsigned = recover, accept_rollback, accept_unsigned
         self.key = StateKey(key if key is not None else key_path(self.folder))
+        self.recorded = False
+        """The key's generation record is signed and not above the generation on disk: the next save needs not
+        write it before its manifest."""
         self.errors = Throttled(log)
         """Write failures, logged once per interval with a count: a full disk fails every round."""
         self.generation = 0
@@ -137,6 +143,9 @@ class StateStore:
         files["ledger"] = ledger_name
         integrity = {name: integrity[name] for name in files.values() if name in integrity}
         fsync_dir(self.folder)
+        if not self.recorded:  # so that no signed manifest is ever on disk without a record at most its generation
+            self.key.remember(self.generation)
+            self.recorded = True
         previous = self._manifest()
         if self.files:  # the generation being replaced stays loadable until the next one is fully written
             write_json(self.folder / PREVIOUS, self.key.sign(previous))
@@ -145,7 +154,9 @@ class StateStore:
         fsync_dir(self.folder)
         self.generation, self.files, self.integrity = generation, files, integrity
         # after the manifest is durable: a crash before this leaves a remembered generation one lower (accepted)
+        self.recorded = False
         self.key.remember(generation)
+        self.recorded = True
         keep = set(files.values()) | set(previous["files"].values())
         for path in self.folder.iterdir():  # superseded generations, and what a failed write left behind
             if OWNED.match(path.name) and path.name not in keep and not path.is_symlink() and path.is_file():
@@ -225,12 +236,10 @@ class StateStore:
         except BadKey as e:
             raise StateError(str(e)) from None
         if key is None:
-            if "hmac" in manifest:
-                raise StateError(
-                    f"{self.folder / name} is signed, but the state key {self.key.path} is missing: put back the key "
-                    f"file the syncer created beside its state folder, or move {self.folder} aside to start a new run "
-                    f"(then restart the learners too)")
-            return  # written before state keys existed: the first save signs (load() warns)
+            refusal = state_trust.keyless(self.folder / name, self.key.path, self._traces(), self.accept_unsigned)
+            if refusal:
+                raise StateError(refusal)
+            return  # written before state keys existed, resumed on the operator's word: the first save signs it
         if "hmac" not in manifest:
             raise Damaged(name, f"not signed, though every manifest this syncer writes is signed with its key "
                                 f"{self.key.path}: it was written by something else")
@@ -239,18 +248,44 @@ class StateStore:
                                 f"outside the syncer (files replaced or edited, hashes recomputed), or the key is "
                                 f"another state folder's")
 
+    def _traces(self) -> list[str]:
+        """What shows that the state was written with a key: signed manifests, the key file or its record."""
+        signed = []
+        for name in (MANIFEST, PREVIOUS):
+            try:  # as they are: their contents are checked where they are used
+                manifest = untrusted_files.read_json(self.folder / name, MAX_MANIFEST)
+            except (OSError, ValueError):
+                continue
+            if isinstance(manifest, dict) and "hmac" in manifest:
+                signed.append(f"{name} is signed")
+        return signed + [f"{path} exists" for path in self.key.traces]
+
     def _check_rollback(self, generation: int, previous: bool) -> None:
-        """An older generation than this syncer last wrote is a rolled-back state, unless it is the previous one
-        taken because the newest is damaged (`previous`, --state-recover): a save replaces the newest after the
-        previous is kept, so a legitimate restore is at most one behind."""
-        last = self.key.last_generation()
-        if last is None or generation >= last - (1 if previous else 0):
+        """Refuse `generation` when it may be older than the newest this syncer wrote (state_trust.rollback),
+        unless `accept_rollback`; `previous`: it is the previous manifest's, taken by --state-recover."""
+        self.recorded = False
+        if self.key.key() is None:
+            return  # an unsigned state resumed on the operator's word: there is nothing to hold it to
+        record, no_record = None, None
+        try:
+            record = self.key.last_generation()
+        except NoRecord as e:
+            no_record = f"{e.path}, {e.why}"
+        other = None
+        if not previous:  # the previous manifest, when genuine, is evidence of how far the state got
+            try:
+                other = self._read_manifest(PREVIOUS)
+            except (Damaged, StateError):
+                other = None
+        refusal = state_trust.rollback(self.folder, generation, record, no_record,
+                                       other["generation"] if other else None, previous)
+        if refusal is None:
+            self.recorded = record <= generation
             return
-        what = (f"the state folder {self.folder} holds generation {generation} but this syncer last wrote {last}: it "
-                f"was rolled back (an older copy put in place, or an older manifest renamed)")
+        what, fix = refusal
         if not self.accept_rollback:
-            raise StateError(f"{what}; put the newest state back, or pass --accept-rollback to resume from it (rounds "
-                             f"after it are lost, learners resynchronise)")
+            raise StateError(f"{what}; {fix}, or pass --accept-rollback to resume from it (rounds after it are lost, "
+                             f"learners resynchronise)")
         log.warning("%s; resuming from it (--accept-rollback)", what)
 
     def _read_file(self, manifest: dict, name: str, limit: int | None = None) -> bytes:
@@ -280,8 +315,8 @@ class StateStore:
             log.warning("%s was written by an older version without hashes: its files are not verified",
                         self.folder / MANIFEST)
         if "hmac" not in manifest:
-            log.warning("%s was written by an older version without a state key: it is not authenticated; the next "
-                        "save signs it with a new key in %s", self.folder / MANIFEST, self.key.path)
+            log.warning("%s was written before state keys existed: resumed unauthenticated (--accept-unsigned); the "
+                        "next save signs it with a new key in %s", self.folder / MANIFEST, self.key.path)
         files = manifest["files"]
         try:
             ledger = untrusted_files.parse_json(self._read_file(manifest, files["ledger"], MAX_LEDGER), files["ledger"])
