@@ -1,5 +1,5 @@
-"""A learner's push while its earlier push of the fragment is still pending (`SyncConfig.repeat_push`): replace, DESIGN
-§3.4's rule (the newer contribution takes the older one's place in the round), against close (the round holding the
+"""A learner's push while its earlier push of the fragment is still pending (`SyncConfig.repeat_push`): replace, the rule of
+docs/algorithm.md §4 (the newer contribution takes the older one's place in the round), against close (the round holding the
 older one is closed first). docs/architecture.md, "A second push from a learner whose contribution is pending"."""
 
 import argparse
@@ -35,7 +35,7 @@ class Clock:
 
 def make_core(repeat_push: str, learners: int = 2, **overrides):
     """Two learners, K = 2 (a first push stays pending), the plain weighted mean, fp32 pushes, DiLoCo's Nesterov
-    outer step taken in full every round: a round's result is DESIGN §3.4's formulas, computable by hand."""
+    outer step taken in full every round: a round's result is the formulas of docs/algorithm.md §4, computable by hand."""
     clock = Clock()
     settings = dict(fragments=3, sync_every=H, codec="fp32", quorum=learners, merge="mean", outer_lr=LR,
                     outer_momentum=MU, delayed_momentum=False, scale_partial_rounds=False, grace=0.0,

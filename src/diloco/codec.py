@@ -1,4 +1,4 @@
-"""Outer-gradient codecs (DESIGN §3.6): fp32, bf16, int8 and int4 with one bf16 scale per block of values.
+"""Outer-gradient codecs (docs/algorithm.md §6): fp32, bf16, int8 and int4 with one bf16 scale per block of values.
 
 A payload is the codec's bytes for a flat fp32 vector plus a CRC-32 of those bytes; `decode` verifies the
 checksum before it reads anything, so a corrupted payload is refused instead of merged.

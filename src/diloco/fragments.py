@@ -1,4 +1,4 @@
-"""Partition a model's tensors into P fragments, the unit of exchange (DESIGN §3.1).
+"""Partition a model's tensors into P fragments, the unit of exchange (docs/algorithm.md §1).
 
 Every learner and the syncer derive the identical layout from the ordered (name, shape, dtype, embedding)
 list alone, so the layout never travels on the wire: only its signature does.

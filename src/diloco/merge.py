@@ -1,4 +1,4 @@
-"""Token-weighted merging of learners' outer gradients (DESIGN §3.4).
+"""Token-weighted merging of learners' outer gradients (docs/algorithm.md §4).
 
 Embedding tensors use the weighted mean; all others radial-directional averaging (RDA): the merged direction is
 the weighted mean of unit directions and the merged norm the weighted mean of norms, so nearly orthogonal

@@ -1,4 +1,4 @@
-"""The syncer's outer optimizer: SGD with Nesterov momentum on outer gradients (DESIGN §3.4)."""
+"""The syncer's outer optimizer: SGD with Nesterov momentum on outer gradients (docs/algorithm.md §4)."""
 
 from __future__ import annotations
 

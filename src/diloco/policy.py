@@ -1,4 +1,4 @@
-"""When a round of one fragment closes (DESIGN §3.4): a pure function of state, averages, now and config.
+"""When a round of one fragment closes (docs/algorithm.md §4): a pure function of state, averages, now and config.
 
 The syncer calls `decide` whenever something changes and again at the returned `wake_at`; nothing here reads a
 clock or sleeps, so every rule is tested with plain numbers. A close at a deadline says when it became due

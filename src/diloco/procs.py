@@ -8,7 +8,7 @@ in sessions of their own where no process-group signal reaches, in the rank itse
 Why not a process group and a watchdog: a group signal misses torchrun's ranks (each in its own session), and a
 watchdog is one more process that can itself be killed; the kernel's signal cannot be skipped. Why SIGKILL and not
 SIGTERM: a child frozen with SIGSTOP (the `hang` fault) never handles SIGTERM, and a syncer's state is durable
-anyway (DESIGN §3.8). Elsewhere than Linux these are no-ops: children end when their parent stops them.
+anyway (docs/algorithm.md §8). Elsewhere than Linux these are no-ops: children end when their parent stops them.
 """
 
 from __future__ import annotations

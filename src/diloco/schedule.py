@@ -1,4 +1,4 @@
-"""When each fragment is pushed (DESIGN §3.2): fragment p is due after inner step t when (t - o_p) mod H = 0."""
+"""When each fragment is pushed (docs/algorithm.md §2): fragment p is due after inner step t when (t - o_p) mod H = 0."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Synchronous data-parallel training, the baseline: gradients all-reduced (gloo) every step (DESIGN §3.5, §7).
+"""Synchronous data-parallel training, the baseline: gradients all-reduced (gloo) every step (docs/algorithm.md
+§5, §9).
 
 Same model, data shards, optimizer and budgets as the learners; one process per worker, launched by `diloco run
 --mode dp`. Wire bytes are counted as a ring all-reduce moves them: 2·(M−1)/M × gradient bytes per worker per step.

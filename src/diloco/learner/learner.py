@@ -2,7 +2,7 @@
 
 The user's loop stays as it is and calls `learner.step(tokens)` after each optimizer step. On the training
 thread this only snapshots fragments (a device copy on CUDA) and writes merged values back; Δ, encoding, sending
-and receiving run in the transport's background threads (DESIGN §3.3, §4). A learner may be a torch.distributed
+and receiving run in the transport's background threads (docs/algorithm.md §3). A learner may be a torch.distributed
 job of several ranks (`process_group=`): its leader talks to the syncer and the other ranks follow (island.py).
 """
 
@@ -289,7 +289,7 @@ class Learner:
 
     def _due(self) -> list[int]:
         """Fragments to push now: those due at this learner's position in the schedule (its step plus a shift that
-        keeps it in phase with its peers, DESIGN §3.2); buffers go with fragment 0."""
+        keeps it in phase with its peers, docs/algorithm.md §2); buffers go with fragment 0."""
         pushes = self._due_params()
         buffers = [s.fragment.index for s in self.slots if s.fragment.role == "buffers"]
         return pushes + (buffers if 0 in pushes else [])

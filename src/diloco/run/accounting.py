@@ -1,4 +1,4 @@
-"""Goodput and uptime of a run (DESIGN §8) from per-step metric lines and the injected fault timeline."""
+"""Goodput and uptime of a run (docs/algorithm.md §9) from per-step metric lines and the injected fault timeline."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def healthy(t: float, windows: list[Window]) -> bool:
 
 
 def healthy_rate(lines: list[dict], windows: list[Window], tokens_per_step: int) -> float:
-    """Tokens/s of one learner's steps taken while the run had no fault (its healthy speed, DESIGN §8)."""
+    """Tokens/s of one learner's steps taken while the run had no fault (its healthy speed, docs/algorithm.md §9)."""
     if not lines:
         return 0.0
     busy = [x["busy"] for x in lines if healthy(x["t"], windows)]

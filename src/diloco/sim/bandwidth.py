@@ -84,7 +84,7 @@ class Method:
 
 def default_method(kind: str, *, fragments: int = 24, sync_every: int = 24, overlap_steps: int = 2,
                    codec: str | None = None) -> Method:
-    """The published configuration of each method (DESIGN.md 3.5): dp in bf16, DiLoCo on the whole model in
+    """The published configuration of each method (docs/algorithm.md §5): dp in bf16, DiLoCo on the whole model in
     bf16, Streaming and Decoupled DiLoCo with P fragments, overlap tau and int4."""
     if kind == "dp":
         return Method("dp", codec or "bf16")

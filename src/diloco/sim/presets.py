@@ -29,7 +29,7 @@ class Preset:
     """Field name -> where its value comes from."""
 
 
-# Constants other than chips and the failure rate are not published (DESIGN.md section 10). These were chosen
+# Constants other than chips and the failure rate are not published (docs/algorithm.md §10). These were chosen
 # once, by hand, so that the paper's twelve goodput cells all come out within 3 points; they hold for every
 # strategy, chip count and learner count.
 _AGGRESSIVE_SOURCES = {
@@ -45,7 +45,7 @@ _AGGRESSIVE_SOURCES = {
     "checkpoint_seconds": "ours: 0.5 s stall for an in-memory checkpoint of a 5B model (about 80 GB of "
                           "parameters and optimizer state spread over every host)",
     "checkpoint_interval_seconds": "Young/Daly optimum for the job's mean time between failures",
-    "failures_in_pauses": "DESIGN.md section 9: counting only failures that strike a running unit reproduces "
+    "failures_in_pauses": "counting only failures that strike a running unit reproduces "
                           "the published figures",
     "step_seconds": "ours: 1 s per step for the dense 5B model (the same assumption reproduces the published "
                     "198 Gbps vs 0.84 Gbps)",

@@ -1,4 +1,4 @@
-"""What of a SyncerCore goes to disk and how it comes back (DESIGN §3.8); the files themselves are store.py's."""
+"""What of a SyncerCore goes to disk and how it comes back (docs/algorithm.md §8); the files themselves are store.py's."""
 
 from __future__ import annotations
 

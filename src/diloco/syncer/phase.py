@@ -12,7 +12,7 @@ SIMILAR_SPEED = 1.5
 
 def position(record: LearnerRecord, now: float, H: int, P: int) -> float | None:
     """Where the learner is in the push schedule now, in steps modulo H: the offset of its last push plus the
-    steps since (DESIGN §3.2). None when unknown or when it has stopped pushing (hung, or left)."""
+    steps since (docs/algorithm.md §2). None when unknown or when it has stopped pushing (hung, or left)."""
     if record.last_push is None or not record.step_time.value:
         return None
     at, last = record.last_push

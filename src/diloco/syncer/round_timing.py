@@ -1,4 +1,4 @@
-"""When the syncer's rounds close: the policy asked about every open round (DESIGN §3.4), as of the time a close
+"""When the syncer's rounds close: the policy asked about every open round (docs/algorithm.md §4), as of the time a close
 became due, so that a late wake-up never changes a round's contributors; the tape records what it was asked.
 
 Mixed into SyncerCore (syncer/core.py), whose state it reads: `fragments`, `learners`, `lock`, `clock`, `cfg`,

@@ -1,5 +1,5 @@
 """Closing a round of one fragment: the merged Δ, the outer step, the ledger's bookkeeping, the durable write and
-the publications (DESIGN §3.4), and how much each contribution counts in weights and shares."""
+the publications (docs/algorithm.md §4), and how much each contribution counts in weights and shares."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def earlier_counters(older, session: str, base_version: int, steps: int, tokens:
     A learner's counters run from its last apply, like its Δ = base − θ. A newer push from the same session and base
     version whose counters are at least those of the push it replaces covers that push's progress: nothing is added
     (summing would count it twice). Otherwise (another session, another base, smaller counters) the learner began
-    counting again and the older counters are kept beside the newer ones: DESIGN §3.4's sum. Either way the total
-    is then bounded like any push's (`counted_as`, `Counters.plausible`)."""
+    counting again and the older counters are kept beside the newer ones: the sum of docs/algorithm.md §4. Either way
+    the total is then bounded like any push's (`counted_as`, `Counters.plausible`)."""
     own_steps, own_tokens = older.steps - older.earlier[0], older.tokens - older.earlier[1]
     if (session, base_version) == (older.session, older.base_version) and steps >= own_steps and tokens >= own_tokens:
         return older.earlier
@@ -163,7 +163,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
     answered = current_sessions(core, contributions)
     out = [pub for c in answered for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
-    if core.cfg.publish_to == "live":  # DESIGN §3.4: to every live learner, unasked (seq 0) where it did not push
+    if core.cfg.publish_to == "live":  # docs/algorithm.md §4: to every live learner, unasked (seq 0) where it
+        # did not push
         others = sorted(core.live() - {c.learner for c in answered})
         out += [pub for lid in others for pub in downlink.publications(core.learners[lid], index, fs, 0, full)]
     if lossy:

@@ -1,4 +1,4 @@
-"""The syncer's durable state (DESIGN §3.8): a manifest naming one consistent set of files.
+"""The syncer's durable state (docs/algorithm.md §8): a manifest naming one consistent set of files.
 
 Every write goes to a temporary file, is fsynced and renamed; the manifest is replaced last, so a crash at any
 point leaves the previous manifest and every file it names intact. The manifest records each file's size and
