@@ -86,3 +86,25 @@ def test_model_mismatch_over_grpc_names_the_first_differing_tensor():
 def test_syncer_beyond_loopback_requires_a_token(capsys):
     code, err = run_cli(capsys, "syncer", "--listen", "0.0.0.0:0", "--http", "127.0.0.1:0")
     assert code == 2 and "needs secrets: pass --credentials (a token per learner) or --token" in err
+
+
+def test_syncer_refuses_a_shared_token_beside_a_credentials_file(capsys, tmp_path):
+    # finding: with both, every holder of the shared token could add ids, with no warning
+    from diloco.syncer import credentials
+
+    path = tmp_path / "learners.toml"
+    credentials.add(path, "site-a")
+    code, err = run_cli(capsys, "syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state",
+                        str(tmp_path / "state"), "--token", "shared", "--credentials", str(path))
+    assert code == 2 and "--token and --credentials together" in err and "drop --token" in err
+    assert "Traceback" not in err
+
+
+def test_syncer_refuses_a_credentials_file_giving_two_ids_one_token(capsys, tmp_path):
+    path = tmp_path / "learners.toml"
+    value = "0" * 64
+    path.write_text(f'[learners.site-a]\ntoken_sha256 = "{value}"\n[learners.site-b]\ntoken_sha256 = "{value}"\n')
+    code, err = run_cli(capsys, "syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state",
+                        str(tmp_path / "state"), "--credentials", str(path))
+    assert code == 2 and "[learners.site-a] and [learners.site-b] have the same token_sha256" in err
+    assert "Traceback" not in err

@@ -38,7 +38,7 @@ def creds(tmp_path):
 def syncer(creds):
     path, _ = creds
     s = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4),
-                     ServerOptions(listen="127.0.0.1:0", http=None, token=SHARED, credentials=path))
+                     ServerOptions(listen="127.0.0.1:0", http=None, credentials=path))
     yield s
     s.stop()
 
@@ -86,9 +86,10 @@ def test_a_listed_id_joins_with_its_own_token_only(syncer, creds):
         code, details = join(syncer.address, "site-b", token)
         assert code == grpc.StatusCode.UNAUTHENTICATED and "its own token" in details
     assert join(syncer.address, "site-b", tokens["site-b"])[0] == grpc.StatusCode.OK
-    # an unlisted id still joins with the shared token (a trusted learner), and not without it
-    assert join(syncer.address, "guest", SHARED)[0] == grpc.StatusCode.OK
-    assert join(syncer.address, "guest-2", "wrong")[0] == grpc.StatusCode.UNAUTHENTICATED
+    # an unlisted id joins with no token at all: a shared token never stands beside the file
+    for token in (SHARED, tokens["site-a"], ""):
+        code, details = join(syncer.address, "guest", token)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "has no credential" in details
 
 
 def test_a_restarted_learner_reclaims_its_live_id_with_its_credential(syncer, creds):
@@ -175,3 +176,13 @@ def test_the_command_prints_a_token_and_a_syncer_process_admits_it(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "diloco", "credentials", "new", "-x", "--file", str(path)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_two_ids_with_the_same_digest_are_refused_naming_both(tmp_path):
+    # finding: a file giving two ids the same digest loaded silently: one token proved both
+    path = tmp_path / "c.toml"
+    value = credentials.digest("one token")
+    path.write_text(f'[learners.site-a]\ntoken_sha256 = "{value}"\n[learners.site-b]\ntoken_sha256 = "{value}"\n')
+    with pytest.raises(credentials.CredentialsError,
+                       match=r"\[learners.site-a\] and \[learners.site-b\] have the same token_sha256"):
+        credentials.Credentials.load(path)

@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     n = p.add_argument_group("network and security")
     n.add_argument("--listen", type=address, default="127.0.0.1:50051", help="gRPC HOST:PORT (127.0.0.1:50051)")
     n.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of the dashboard, /status, /history and /metrics")
-    n.add_argument("--token", help="secret shared by trusted learners (beyond loopback: this or --credentials)")
+    n.add_argument("--token", help="secret shared by trusted learners (beyond loopback: this or --credentials, never "
+                                   "both)")
     n.add_argument("--credentials", type=Path, metavar="FILE",
                    help="per-learner credentials (TOML, `diloco credentials new ID --file FILE`): each listed id "
                         "joins only with its own token, and reclaims its id with it after a restart")

@@ -6,8 +6,9 @@
 
 A learner proves its id with its own token (`diloco learner --id site-b --token …`), so nobody else can take its id
 before it starts or after it crashes, and it reclaims its id with the same token after a restart. Each credential
-names one id: one party cannot multiply itself. A run-wide shared token (`--token`) remains for trusted setups: there
-any holder may join under any id that is not live.
+names one id, and no two ids share a digest: one party cannot multiply itself. A run-wide shared token (`--token`)
+remains for trusted setups, and never beside a credentials file: there any holder may join under any id that is not
+live.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Credentials:
         if not isinstance(learners, dict) or not learners:
             raise CredentialsError(f"--credentials {path}: no [learners.<id>] entry; add one with "
                                    f"`diloco credentials new ID --file {path}`")
-        digests = {}
+        digests, holders = {}, {}
         for learner_id, entry in learners.items():
             if not LEARNER_ID.fullmatch(learner_id):
                 raise CredentialsError(f"--credentials {path}: {learner_id!r} is not a valid learner id (1-64 letters, "
@@ -69,7 +70,11 @@ class Credentials:
             if set(entry) - {"token_sha256"}:
                 raise CredentialsError(f"--credentials {path}: [learners.{learner_id}] has unknown key(s) "
                                        f"{', '.join(sorted(set(entry) - {'token_sha256'}))}")
-            digests[learner_id] = value
+            if value in holders:  # one token would prove both ids: one party posing as two
+                raise CredentialsError(f"--credentials {path}: [learners.{holders[value]}] and [learners.{learner_id}] "
+                                       f"have the same token_sha256; each learner needs its own token (`diloco "
+                                       f"credentials new ID --file {path}` makes a new one)")
+            digests[learner_id], holders[value] = value, learner_id
         return cls(digests, Path(path))
 
     def check(self, learner_id: str, token: str) -> bool:

@@ -132,6 +132,10 @@ def exposure_problems(opts: ServerOptions) -> tuple[list[str], list[str]]:
     errors, warnings = [], []
     if opts.client_cert_ids and not (opts.tls_client_ca and opts.tls_cert):
         errors.append("--client-cert-ids needs mutual TLS: pass --tls-cert, --tls-key and --tls-client-ca")
+    if opts.token and opts.credentials:  # a shared token beside the file would let one party join as many ids
+        errors.append("--token and --credentials together: any holder of the shared token could join under every id "
+                      "the file does not list, as many as it likes; give each learner its own credential (`diloco "
+                      "credentials new ID --file FILE`) and drop --token")
 
     def plaintext(text: str, fix: str) -> None:  # allowed with --insecure, as a warning
         if opts.insecure:
