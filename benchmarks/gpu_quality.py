@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from diloco.train.config import ModelConfig  # noqa: E402
 from diloco.train.data import eval_batches  # noqa: E402
 from diloco.train.model import build_model  # noqa: E402
 from gpu_runs import quality_rows, run_device, run_dp  # noqa: E402
-from gpu_setup import Setup, load_corpus, smoke_corpus, train_config  # noqa: E402
+from gpu_setup import Setup, commit, load_corpus, smoke_corpus, train_config  # noqa: E402
 
 ARMS = {"default": ("default", {}), "paper": ("paper", {}), "paper-dn2": ("paper", dict(momentum_every=2))}
 """Name: (preset, syncer settings over it)."""
@@ -92,14 +91,6 @@ def parse_args(argv=None):
     if args.budget is None:
         args.budget = 120.0 if args.smoke else 480.0
     return args
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def plan(args) -> list[tuple]:

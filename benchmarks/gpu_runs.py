@@ -70,6 +70,32 @@ def run_dp(setup: Setup, deadline: float, name: str = "dp", shards: int = 4, log
     return out
 
 
+def train_in_turns(setup: Setup, out: Outcome, reps: list, samplers: list, speeds: list[float], tokens_per_step: int,
+                   total: int, steps_of, stepped, end_turn, global_loss, deadline: float, log) -> None:
+    """M learners on one device stepping in turn until `total` tokens (or `deadline`): a learner of speed s steps on
+    a share s of the turns; `stepped(i, data position)` after learner i's optimizer step (its `steps_of(i)` gives
+    its learning rate), `end_turn()` after every turn, and `global_loss()` at each evaluation point."""
+    points, credit = eval_points(total, setup.evals), [0.0] * len(reps)
+    while out.tokens < total:
+        for i, (rep, sampler) in enumerate(zip(reps, samplers)):
+            credit[i] += speeds[i]
+            if credit[i] < 1 or out.tokens >= total:
+                continue
+            credit[i] -= 1
+            x, y = (t.to(setup.device, non_blocking=True) for t in sampler.next_batch())
+            rep.step(x, y, lr_at(steps_of(i), setup.train, out.tokens / total))
+            stepped(i, sampler.position)
+            out.tokens += tokens_per_step
+        end_turn()
+        if points and out.tokens >= points[0] and out.tokens < total:
+            points.pop(0)
+            out.curve.append((out.tokens, global_loss()))
+            log(f"  {out.name}: {out.tokens:,} tokens, held-out {out.curve[-1][1]:.4f}")
+        if time.monotonic() > deadline and out.tokens < total:
+            out.stopped = f"time budget: stopped after {out.tokens:,} of {total:,} tokens"
+            break
+
+
 def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline: float,
                   dtypes: list[torch.dtype] | None = None, speeds: list[float] | None = None, log=print,
                   overrides: dict | None = None, trace=None) -> Outcome:
@@ -91,7 +117,6 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
                 for i in range(learners)]
     tokens_per_step = per * setup.model.seq_len
     total = max(tokens_per_step, setup.tokens // tokens_per_step * tokens_per_step)
-    points, credit = eval_points(total, setup.evals), [0.0] * learners
     out, started = Outcome(name), time.monotonic()
 
     def global_loss() -> float:
@@ -102,24 +127,10 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
         return loss
 
     try:
-        while out.tokens < total:
-            for i, (rep, learner, sampler) in enumerate(zip(reps, members, samplers)):
-                credit[i] += speeds[i]
-                if credit[i] < 1 or out.tokens >= total:
-                    continue
-                credit[i] -= 1
-                x, y = (t.to(setup.device, non_blocking=True) for t in sampler.next_batch())
-                rep.step(x, y, lr_at(learner.step_count, setup.train, out.tokens / total))
-                learner.step(tokens_per_step, data_position=sampler.position)
-                out.tokens += tokens_per_step
-            local.tick()
-            if points and out.tokens >= points[0] and out.tokens < total:
-                points.pop(0)
-                out.curve.append((out.tokens, global_loss()))
-                log(f"  {name}: {out.tokens:,} tokens, held-out {out.curve[-1][1]:.4f}")
-            if time.monotonic() > deadline and out.tokens < total:
-                out.stopped = f"time budget: stopped after {out.tokens:,} of {total:,} tokens"
-                break
+        train_in_turns(setup, out, reps, samplers, speeds, tokens_per_step, total,
+                       lambda i: members[i].step_count,
+                       lambda i, position: members[i].step(tokens_per_step, data_position=position),
+                       local.tick, global_loss, deadline, log)
         before_finish = global_loss()  # what the learners' last pushes then change
         finish_all(local, members, timeout=max(30.0, deadline - time.monotonic()))
     except BaseException:
@@ -164,31 +175,15 @@ def run_device(setup: Setup, name: str, learners: int, preset: str, deadline: fl
                 for i in range(learners)]
     tokens_per_step = per * setup.model.seq_len
     total = max(tokens_per_step, setup.tokens // tokens_per_step * tokens_per_step)
-    points, credit = eval_points(total, setup.evals), [0.0] * learners
     out, started = Outcome(name), time.monotonic()
 
     def global_loss() -> float:
         eval_model.load_state_dict(rounds.params())
         return heldout_loss(eval_model, setup.eval_data, setup.device)
 
-    while out.tokens < total:
-        for i, (rep, sampler) in enumerate(zip(reps, samplers)):
-            credit[i] += speeds[i]
-            if credit[i] < 1 or out.tokens >= total:
-                continue
-            credit[i] -= 1
-            x, y = (t.to(setup.device, non_blocking=True) for t in sampler.next_batch())
-            rep.step(x, y, lr_at(rounds.steps[i], setup.train, out.tokens / total))
-            rounds.stepped(i, tokens_per_step)
-            out.tokens += tokens_per_step
-        rounds.end_turn()
-        if points and out.tokens >= points[0] and out.tokens < total:
-            points.pop(0)
-            out.curve.append((out.tokens, global_loss()))
-            log(f"  {name}: {out.tokens:,} tokens, held-out {out.curve[-1][1]:.4f}")
-        if time.monotonic() > deadline and out.tokens < total:
-            out.stopped = f"time budget: stopped after {out.tokens:,} of {total:,} tokens"
-            break
+    train_in_turns(setup, out, reps, samplers, speeds, tokens_per_step, total, lambda i: rounds.steps[i],
+                   lambda i, position: rounds.stepped(i, tokens_per_step), rounds.end_turn, global_loss, deadline,
+                   log)
     sync(setup.device)
     trained = time.monotonic() - started
     before_finish = global_loss()

@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ sys.path.insert(0, str(HERE.parent / "src"))  # the package, where it is not ins
 from diloco.train.config import ModelConfig  # noqa: E402
 from diloco.train.data import eval_batches  # noqa: E402
 from gpu_runs import run_decoupled, run_dp  # noqa: E402
-from gpu_setup import Setup, load_corpus, train_config  # noqa: E402
+from gpu_setup import Setup, commit, load_corpus, train_config  # noqa: E402
 
 ARMS = {
     "paper": ("paper", {}),
@@ -96,14 +95,6 @@ def overrides_for(arm: str, learners: int) -> tuple[str, dict]:
     if settings.get("momentum_every") == -1:
         settings["momentum_every"] = learners
     return preset, settings
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:

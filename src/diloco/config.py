@@ -24,7 +24,7 @@ PAPER = dict(
     grace=None, grace_gamma=0.5, grace_cap_steps=1.0, rda_mean_fallback=True,
     bf16_residual=False, wire_compression="none", repeat_push="replace",
 )
-"""The published algorithm (DESIGN §3) exactly: every mechanism of this project off, DiLoCo's outer η/μ, Θ sent
+"""The published algorithm (docs/algorithm.md) exactly: every mechanism of this project off, DiLoCo's outer η/μ, Θ sent
 back in fp32. The mode still sets P, K, τ, the codec and the merge rule."""
 
 
@@ -49,7 +49,7 @@ class SyncConfig:
     wait_for_merge: bool = False
     """Block the training thread when a merged fragment is due but has not arrived (streaming, diloco)."""
     grace: float | None = None
-    """Fixed grace window in seconds after quorum; None selects the adaptive window (DESIGN §3.4)."""
+    """Fixed grace window in seconds after quorum; None selects the adaptive window (docs/algorithm.md §4)."""
     grace_gamma: float = 0.5
     """Share γ of the overlap's free time the adaptive grace window may use."""
     grace_cap_steps: float = 1.0
@@ -77,7 +77,7 @@ class SyncConfig:
     """Merge rule for non-embedding tensors: rda (radial-directional averaging) or mean."""
     rda_mean_fallback: bool = False
     """Ours when off (on is the paper's). RDA falls back to the weighted mean where the contributions' mean direction
-    vanishes (DESIGN §3.4). Off, such a tensor merges to 0 (unit(0) = 0), and an open round keeps one running sum, Σ w·unit(Δ), instead
+    vanishes (docs/algorithm.md §4). Off, such a tensor merges to 0 (unit(0) = 0), and an open round keeps one running sum, Σ w·unit(Δ), instead
     of two: half the memory of every round in flight and three memory streams per contribution instead of five
     (benchmarks/LOG.md). The fallback is rare: `diloco_rda_vanished_total` counts it."""
     scale_partial_rounds: bool = True
@@ -90,7 +90,7 @@ class SyncConfig:
     is tokens² / steps whatever the length (the paper)."""
     publish_to: str = "contributors"
     """Ours ("live" is the paper's). Who receives a merged fragment: contributors (each learner gets it in answer to
-    its own push, so no learner's progress is overwritten before it is pushed) or live (DESIGN §3.4: every live
+    its own push, so no learner's progress is overwritten before it is pushed) or live (docs/algorithm.md §4: every live
     learner; one with no push of the fragment in flight applies it at once, overwriting its progress on the
     fragment since its last apply). live needs down_codec fp32."""
     delayed_momentum: bool = True
@@ -128,7 +128,7 @@ class SyncConfig:
     staleness_decay: float = 0.0
     """λ: a contribution's weight is divided by (1 + λ·staleness)."""
     repeat_push: str = "close"
-    """Ours when close (replace is the paper's, DESIGN §3.4). What a push does when the same learner's earlier push of
+    """Ours when close (replace is the paper's, docs/algorithm.md §4). What a push does when the same learner's earlier push of
     the fragment is still pending in an open round. close: that round is closed first, the earlier push merged in it
     alone, and the new push opens the next round; a newer push that carries the earlier one's progress too (a Δ from
     the same base, which the built-in learner never sends: it does not push a fragment whose result is still out)
@@ -207,7 +207,7 @@ class SyncConfig:
 
 
 def for_mode(mode: str, learners: int, preset: str | None = None, **overrides) -> SyncConfig:
-    """The settings of a named mode for `learners` learners under a preset (default, or paper: DESIGN §3 exactly),
+    """The settings of a named mode for `learners` learners under a preset (default, or paper: the published algorithm of docs/algorithm.md),
     with explicit overrides (None means unset)."""
     if mode not in MODES or mode == "dp":
         raise ValueError(f"unknown syncer mode {mode!r}; choose decoupled, streaming or diloco (dp runs without a syncer)")

@@ -105,7 +105,7 @@ def render() -> str:
         "# Configuration reference",
         "Generated from the dataclasses by `python -m diloco.config_doc`; do not edit by hand.",
         "## `SyncConfig`: synchronisation (syncer and learners)\n\nColumns per mode show the value each `--mode` "
-        "selects for 4 learners (the last: decoupled under `--preset paper`, DESIGN §3 exactly); command-line "
+        "selects for 4 learners (the last: decoupled under `--preset paper`, the published algorithm of docs/algorithm.md); command-line "
         "flags override them. Fields whose description starts with *Ours* are this project's additions to the "
         "published algorithm: each is a switch, and `--preset paper` turns every one off.",
         table(SyncConfig, modes, file_table="sync"),

@@ -69,8 +69,8 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--preset", choices=PRESETS,
                    help="default: the mode with this project's measured additions; paper: the published algorithm "
                         "exactly (every addition off, outer η 0.7 / μ 0.9, fp32 back), for reproduction: with K = 1 "
-                        "its momentum on every round can diverge (--momentum-every 2 keeps it stable); flags below "
-                        "still override")
+                        "its momentum on every round can diverge (--momentum-every N delays it; docs/results.md); "
+                        "flags below still override")
     g.add_argument("--fragments", "-P", type=int, help="P: fragments the model is split into (decoupled: 24)")
     g.add_argument("--sync-every", "-H", type=int, help="H: inner steps between pushes of one fragment (24)")
     g.add_argument("--overlap", type=int, help="τ: steps between a push and applying its merged result (2)")

@@ -1,4 +1,4 @@
-"""The syncer's state machine: joins, pushes, rounds, merges and outer steps (DESIGN §3.4, §3.7).
+"""The syncer's state machine: joins, pushes, rounds, merges and outer steps (docs/algorithm.md §4, §7).
 
 No sockets and no clock of its own: the service calls it from one worker thread and passes time in, and tests
 drive it directly.
