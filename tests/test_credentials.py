@@ -1,10 +1,12 @@
 """Per-learner credentials and per-learner limits at the gRPC boundary: an id is its holder's alone, a restarted
 learner reclaims it at once, and one party cannot multiply what it costs the syncer."""
 
+import asyncio
 import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -118,10 +120,8 @@ def test_without_a_shared_token_an_unlisted_id_is_told_to_ask_for_a_credential(c
         s.stop()
 
 
-def test_heartbeats_beyond_the_rate_are_refused_and_later_ones_answered(syncer, creds, monkeypatch):
-    from diloco.syncer import service
-
-    monkeypatch.setattr(service, "HEARTBEATS_PER_SECOND", 2.0)  # exceeded however slowly this machine answers
+def test_heartbeats_beyond_the_rate_are_refused_and_later_ones_answered(syncer, creds):
+    syncer.service.heartbeats.per_credential = 2.0  # exceeded however slowly this machine answers
     _, tokens = creds
     Learner(Net(), GrpcTransport(syncer.address, token=tokens["site-b"]), "site-b").close()  # uploads the model
     code, session = join(syncer.address, "site-a", tokens["site-a"])
@@ -186,3 +186,67 @@ def test_two_ids_with_the_same_digest_are_refused_naming_both(tmp_path):
     with pytest.raises(credentials.CredentialsError,
                        match=r"\[learners.site-a\] and \[learners.site-b\] have the same token_sha256"):
         credentials.Credentials.load(path)
+
+
+def on_core(syncer, fn, *args):
+    """Call `fn` on the syncer's core worker, as its RPCs do, and return what it returns."""
+    return asyncio.run_coroutine_threadsafe(syncer.service._core(fn, *args), syncer._loop).result(60)
+
+
+def test_many_ids_of_one_credential_share_its_heartbeats_and_another_credential_keeps_its_own(creds):
+    # finding: limits were per id, so 20 ids of one party sent 1,320 heartbeats a second and slowed an honest learner
+    path, tokens = creds
+    credentials.add(path, "mallory")
+    s = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4),
+                     ServerOptions(listen="127.0.0.1:0", http=None, credentials=path))
+    try:
+        Learner(Net(), GrpcTransport(s.address, token=tokens["site-b"]), "site-b").close()  # uploads the model
+        s.service.heartbeats.per_credential = 10.0  # each credential's burst; the honest learner stays within its own
+        ids = [f"m{i}" for i in range(20)]  # one party's ids, as the core counts them (test_hostile_learners.py)
+        sessions = {lid: on_core(s, s.service.core.join, lid, tensor_specs(Net()), "mallory") for lid in ids}
+        _, honest = join(s.address, "site-a", tokens["site-a"])
+        stub = pb_grpc.SyncerStub(grpc.insecure_channel(s.address))
+        answered, honest_codes = [], []
+
+        def beat(learner_id, session):
+            try:
+                stub.Heartbeat(pb.HeartbeatRequest(learner_id=learner_id, session=session), timeout=30)
+                return grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                return e.code()
+
+        def flood(part):
+            for n, lid in enumerate(ids * 10):
+                if lid in part:
+                    answered.append(beat(lid, sessions[lid]) == grpc.StatusCode.OK)
+                if part is first and n % 20 == 0:  # the honest learner's heartbeats, amid the flood
+                    honest_codes.append(beat("site-a", honest))
+
+        first, second = set(ids[::2]), set(ids[1::2])
+        started = time.monotonic()
+        threads = [threading.Thread(target=flood, args=(part,)) for part in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        elapsed = time.monotonic() - started
+        assert len(answered) == 200 and len(honest_codes) == 10
+        assert honest_codes == [grpc.StatusCode.OK] * 10  # never starved by the flood
+        assert sum(answered) <= 10 + 10 * elapsed + 1  # one budget for all 20 ids (200 answered before)
+    finally:
+        s.stop()
+
+
+def test_beyond_the_total_each_active_credential_gets_an_equal_share_and_an_honest_one_all_it_needs():
+    from diloco.syncer.heartbeat_budget import HeartbeatBudget
+
+    now = [0.0]
+    budget = HeartbeatBudget(per_credential=100.0, total=200.0, floor=5.0, clock=lambda: now[0])
+    flooded = honest = 0
+    for tick in range(200):  # 2 s in steps of 10 ms: 40 parties try 100 a second each, an honest one 2
+        now[0] = tick / 100
+        flooded += sum(budget.allow(f"party-{i}") for i in range(40))
+        if tick % 50 == 0:
+            honest += budget.allow("honest")
+    assert honest == 4 and budget.rate() == 5.0  # 200 / 41 < 5: the floor
+    assert flooded <= 40 * 5 * 2 + 40 * 5 + 40  # each party its share (and one burst), not 100 a second

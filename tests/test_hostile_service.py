@@ -30,6 +30,7 @@ from diloco.wire import bounds
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import specs_to_proto
+from liveness import wait_for
 
 TOKEN = "s3cret"
 U64_MAX = 2**64 - 1
@@ -346,6 +347,20 @@ def test_heartbeat_bounds_and_later_heartbeats_still_work(syncer):
     reply = s.Heartbeat(pb.HeartbeatRequest(learner_id="m", session=session, step=4, tokens_trained=32, loss=2.5),
                         timeout=10)
     assert record.tokens_trained == 32 and reply.tokens_trained == 0
+
+
+def test_status_shows_heartbeat_counts_as_claimed_and_only_what_pushes_back_as_trained(syncer):
+    # finding: /status showed a credential holder's claimed 6.4·10^10 tokens as trained
+    session = raw_join(syncer.address, "m")
+    s = stub(syncer.address)
+    s.Heartbeat(pb.HeartbeatRequest(learner_id="m", session=session, step=3, tokens_trained=24), timeout=10)
+
+    def mallory():
+        return next((x for x in syncer.status.get("learners", []) if x["id"] == "m"), {})
+
+    wait_for(lambda: mallory().get("tokens_claimed") == 24, timeout=30)
+    assert mallory()["tokens_trained"] == 0 and mallory()["tokens"] == 24  # the older name: the claim
+    assert syncer.status["tokens_claimed"] >= 24 and syncer.status["tokens_trained"] == 0  # no push carried any
 
 
 def test_a_20kb_learner_id_is_invalid_not_unreachable(syncer):

@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "both)")
     n.add_argument("--credentials", type=Path, metavar="FILE",
                    help="per-learner credentials (TOML, `diloco credentials new ID --file FILE`): each listed id "
-                        "joins only with its own token, and reclaims its id with it after a restart")
+                        "joins only with its own token, and reclaims its id with it after a restart; read again when "
+                        "it changes and on SIGHUP, so an id removed (or given a new token) is revoked at once")
     n.add_argument("--client-cert-ids", action="store_true",
                    help="with --tls-client-ca: a learner's client certificate names its id (common name) and is its "
                         "credential; it joins under that id only")

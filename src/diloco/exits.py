@@ -6,7 +6,7 @@
 | 1  | an unexpected error (a bug): a traceback is printed | at most a few times |
 | 2  | usage: a bad flag, a missing file, a damaged state directory | no: a person must fix the call |
 | 75 | retry me (EX_TEMPFAIL): the syncer is unreachable or the connection was lost, a port is in use, another syncer holds the state folder | yes |
-| 78 | do not retry (EX_CONFIG): the syncer refused this learner (wrong token, model mismatch, bad id, TLS) | no |
+| 78 | do not retry (EX_CONFIG): the syncer refused this learner (wrong token, model mismatch, bad id, TLS, a revoked credential) | no |
 | 130 | stopped at once by a second signal | as the scheduler decided |
 
 docs/deploy.md repeats the table with what each scheduler recipe does with every code.
@@ -29,6 +29,8 @@ EXIT_FILE_ENV = "DILOCO_EXIT_FILE"
 """If set, the process writes its exit code there (torchrun reports every failed worker as its own exit code 1, so
 a job script reads the leader's real code from this file)."""
 
+REVOKED = "was revoked: the syncer's --credentials file no longer lists it"
+"""What the syncer tells a learner whose credential it revoked (syncer/revocation.py)."""
 _TEMPORARY = ("cannot reach the syncer", "lost the connection", "stalled", "is already live", "finish:",
               "incomplete join reply")
 
@@ -36,6 +38,8 @@ _TEMPORARY = ("cannot reach the syncer", "lost the connection", "stalled", "is a
 def for_syncer_error(message: str) -> int:
     """The exit code for a learner's SyncerError: whether retrying later can succeed. The syncer refusing this
     learner (token, model, id, certificates) cannot be cured by retrying; everything else is a lost link."""
+    if REVOKED in message:  # first: it may come wrapped in `finish:`'s undelivered pushes
+        return REFUSED
     if any(text in message for text in _TEMPORARY):
         return RETRY
     if "refused" in message or "TLS" in message or "certificate" in message or "invalid learner id" in message:

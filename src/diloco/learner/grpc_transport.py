@@ -450,8 +450,10 @@ class GrpcTransport(HeartbeatNews):
                 if self._closing.is_set() or e.code() == grpc.StatusCode.CANCELLED:
                     return
                 if e.code() not in RETRYABLE:
-                    self._fail(f"the syncer ended this learner's updates: {e.details()} (was it restarted without "
-                               f"its --state directory?)")
+                    # refused by a credential (revoked): the syncer's words say it all; otherwise a likely cause
+                    hint = "" if e.code() == grpc.StatusCode.PERMISSION_DENIED else \
+                        " (was it restarted without its --state directory?)"
+                    self._fail(f"the syncer ended this learner's updates: {e.details()}{hint}")
                     return
                 broken = True
             except codec.CorruptPayload as e:
@@ -493,7 +495,8 @@ class GrpcTransport(HeartbeatNews):
 
     def _fail(self, message: str) -> None:
         log.error(message)
-        self.error = SyncerError(message)
+        if self.error is None:  # the first is the cause; the other threads then fail the same way
+            self.error = SyncerError(message)
 
     # ---- Transport interface ------------------------------------------------------------------------------
     def check(self) -> None:

@@ -203,6 +203,12 @@ def budget_text(plan: Plan) -> str:
     return f"budget {plan.duration:.0f}s{paced}"
 
 
+def first_tokens(status: dict) -> bool:
+    """Whether a learner has reported trained tokens: when the run's clock starts. Its heartbeats' claims, heard
+    before any push backs them (/status `tokens_trained` counts only those)."""
+    return status.get("tokens_claimed", status.get("tokens_trained", 0)) > 0
+
+
 class Progress:
     """A live table on a terminal; a line every 15 s otherwise; nothing with --json or --no-progress.
 
@@ -233,7 +239,7 @@ class Progress:
             self.live.__exit__(*exc)
 
     def update(self, status: dict | None) -> None:
-        if self.started is None and status and status.get("tokens_trained", 0) > 0:
+        if self.started is None and status and first_tokens(status):
             self.started = time.monotonic()
         if not status or not self.enabled:
             return
@@ -415,7 +421,7 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
         with progress:
             while True:
                 status = cluster.status()
-                if started is None and status and status.get("tokens_trained", 0) > 0:
+                if started is None and status and first_tokens(status):
                     started = time.monotonic()
                     plan.fault_origin_unix = time.time()
                 if status and status.get("stopping"):

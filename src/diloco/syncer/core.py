@@ -213,9 +213,10 @@ class SyncerCore(Membership, RoundTiming):
         return [fs for fs in self.fragments if fs.fragment.role == "params"]
 
     # ---- membership ---------------------------------------------------------------------------------------
-    def join(self, learner_id: str, specs: list[TensorSpec], credential: str | None = None) -> str:
+    def join(self, learner_id: str, specs: list[TensorSpec], credential: str | None = None, proof: str = "") -> str:
         """Admit a learner whose model matches; returns its new session id. Refused on any mismatch. `credential`:
-        the name of the credential it proved (None: a shared run token, and the id stands for itself)."""
+        the name of the credential it proved (None: a shared run token, and the id stands for itself); `proof`:
+        which token of it (`credentials.proof`), so that replacing the token revokes this session."""
         check_learner_id(learner_id)
         if self.stopping:
             raise Refused("the syncer is shutting down; retry against its replacement")
@@ -241,6 +242,7 @@ class SyncerCore(Membership, RoundTiming):
             record.session, record.joined_at, record.last_seen, record.left, record.left_at = session, now, now, False, None
             record.absent = False
             record.credential = credential or learner_id
+            record.proof, record.revoked = proof, False
             record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None
             self.record_event("join", learner=learner_id)
             record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
@@ -547,7 +549,9 @@ class SyncerCore(Membership, RoundTiming):
                 "dropped_rounds": self.dropped_rounds,
                 "versions": [fs.version for fs in self.fragments],
                 "pending": [len(fs.pending) for fs in self.fragments],
-                "tokens_trained": self.tokens_trained(),
+                # what accepted pushes back; heartbeats' counts alone are claims (a hostile one may say anything)
+                "tokens_trained": self.budget_tokens(),
+                "tokens_claimed": self.tokens_trained(),
                 "tokens_merged": self.tokens_merged(),
                 "token_budget": self.token_budget,
                 "stopping": self.should_stop(),
@@ -555,7 +559,8 @@ class SyncerCore(Membership, RoundTiming):
                 "refusals": dict(self.refusals),
                 "merge_seconds": dict(self.merge_stats),
                 "full_answers": dict(self.full_answers),
-                "learners": [r.summary(now, self.cfg.absent_after_seconds) for r in self.learners.values()],
+                "learners": [r.summary(now, self.cfg.absent_after_seconds, self._budget_tokens(r))
+                             for r in self.learners.values()],
                 "recent_rounds": list(self.recent_rounds),
                 "budget_progress": self.budget_progress(),
             }

@@ -9,6 +9,9 @@ before it starts or after it crashes, and it reclaims its id with the same token
 names one id, and no two ids share a digest: one party cannot multiply itself. A run-wide shared token (`--token`)
 remains for trusted setups, and never beside a credentials file: there any holder may join under any id that is not
 live.
+
+The syncer reads the file again when it changes and on SIGHUP (syncer/credentials_watch.py): an id removed from it,
+or given a new token, is revoked at once.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ class CredentialsError(ValueError):
 
 def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def proof(token_sha256: str) -> str:
+    """What a learner's record keeps of the credential its session was opened with (saved in the state folder): a
+    token replaced in the file revokes the sessions opened with the old one, across a restart too."""
+    return hashlib.sha256(b"diloco-credential\0" + token_sha256.encode()).hexdigest()[:32]
 
 
 class Credentials:
@@ -81,6 +90,16 @@ class Credentials:
         """Whether `token` is `learner_id`'s own token (constant time whether or not the id is listed)."""
         expected = self.digests.get(learner_id, "0" * 64)
         return hmac.compare_digest(expected, digest(token)) and learner_id in self.digests
+
+    def proof(self, learner_id: str) -> str:
+        """`proof` of `learner_id`'s current digest ("" when it is not listed)."""
+        value = self.digests.get(learner_id)
+        return proof(value) if value else ""
+
+    def vouches(self, credential: str, proven: str) -> bool:
+        """Whether a session opened with credential `credential` still stands: the id is listed and, when the
+        session's `proven` is known (ledgers saved before it was kept have none), with the same token."""
+        return credential in self.digests and (not proven or hmac.compare_digest(proven, self.proof(credential)))
 
 
 def add(path: Path, learner_id: str) -> str:

@@ -83,6 +83,12 @@ class LearnerRecord:
     tokens_accepted: float = 0.0
     """Tokens its accepted parameter pushes carried (bounded as weights are), per fragment they cover: what the
     token budget and the learning-rate progress count, never heartbeat claims alone."""
+    proof: str = ""
+    """`credentials.proof` of the token its session was opened with ("" without a credentials file): a reload of
+    the file, or a restart on it, closes the session once that token is no longer listed for its credential."""
+    revoked: bool = False
+    """Its credential was revoked and its session closed (syncer/revocation.py). Not saved: a restart checks the
+    file again."""
 
     SAVED = ("id", "left", "step", "tokens_trained", "tokens_merged", "data_position", "loss",
              "tokens_per_second", "pushes", "merged", "refused", "applied", "speed", "merged_seq",
@@ -107,6 +113,7 @@ class LearnerRecord:
         out = {k: getattr(self, k) for k in self.SAVED}
         out.update(session_hash=self.session_hash, merged_seq=hashed_seqs(self.merged_seq))
         out.update(step_time=self.step_time.value, contribution_tokens=self.contribution_tokens.value)
+        out["proof"] = self.proof
         return out
 
     @classmethod
@@ -121,12 +128,20 @@ class LearnerRecord:
                 setattr(record, k, data[k])
         record.merged_seq = hashed_seqs(record.merged_seq)  # a ledger saved with secrets in it: hashed now
         record.step_time.value, record.contribution_tokens.value = data["step_time"], data["contribution_tokens"]
+        record.proof = data.get("proof", "")  # absent from older ledgers: the session is checked by its id alone
+        if not isinstance(record.proof, str):
+            raise TypeError(f"proof of learner {record.id!r} is not a string")
         return record
 
-    def summary(self, now: float, absent_after: float) -> dict:
+    def summary(self, now: float, absent_after: float, backed: float | None = None) -> dict:
+        """/status's entry. `backed`: the tokens its accepted pushes back (`Membership.budget_tokens`), shown as
+        `tokens_trained`; its heartbeats' count is `tokens_claimed` (and `tokens`, the older name)."""
         state = "left" if self.left else ("live" if now - self.last_seen <= absent_after else "absent")
         return {
             "id": self.id, "state": state, "step": self.step, "tokens": self.tokens_trained,
+            "tokens_claimed": self.tokens_trained,
+            **({} if backed is None else {"tokens_trained": int(backed)}),
+            **({"revoked": True} if self.revoked else {}),
             "tokens_merged": self.tokens_merged, "data_position": self.data_position, "loss": self.loss,
             "tokens_per_second": self.tokens_per_second,
             "pushes": self.pushes, "merged": self.merged, "refused": self.refused, "applied": self.applied,

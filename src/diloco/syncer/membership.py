@@ -10,6 +10,7 @@ import logging
 
 from diloco.policy import Averages
 from diloco.syncer.ledger import LearnerRecord
+from diloco.syncer.revocation import revoked_message
 
 log = logging.getLogger("diloco.syncer")
 
@@ -38,6 +39,8 @@ class Membership:
         if record is None or not record.check_session(session):
             raise Refused(f"unknown learner or wrong session for learner {learner_id!r}: it left, re-joined "
                           f"elsewhere or never joined; join again")
+        if record.revoked:
+            raise Refused(revoked_message(learner_id))
         return record
 
     def heartbeat(self, learner_id: str, session: str, **progress) -> bool:
@@ -148,6 +151,8 @@ class Membership:
             )
 
     def tokens_trained(self) -> int:
+        """Tokens learners' heartbeats report, forgotten learners' included: claims, which /status shows as
+        `tokens_claimed` (its `tokens_trained` is `budget_tokens`, what accepted pushes back)."""
         with self.lock:
             return self.departed["trained"] + sum(r.tokens_trained for r in self.learners.values())
 

@@ -49,7 +49,10 @@ class SyncerMetrics:
         self.rounds = Gauge("diloco_rounds", "rounds closed (merges applied)", registry=r)
         self.version = Gauge("diloco_fragment_version", "current version of each fragment", ["fragment"], registry=r)
         self.live = Gauge("diloco_live_learners", "learners heard from within the absence timeout", registry=r)
-        self.tokens_trained = Gauge("diloco_tokens_trained", "tokens learners report having trained on", registry=r)
+        self.tokens_trained = Gauge("diloco_tokens_trained", "tokens trained as accepted pushes back them (what the "
+                                    "budget counts)", registry=r)
+        self.tokens_claimed = Gauge("diloco_tokens_claimed", "tokens learners' heartbeats claim (nothing backs them)",
+                                    registry=r)
         self.tokens_merged = Gauge("diloco_tokens_merged", "tokens whose effect reached the global model", registry=r)
         self.merge_seconds = Histogram(
             "diloco_merge_seconds", "seconds to close a round: merge, outer step, encoding, persisting", registry=r,
@@ -116,6 +119,7 @@ class SyncerMetrics:
     def observe_status(self, status: dict) -> None:
         self.live.set(sum(1 for learner in status["learners"] if learner["state"] == "live"))
         self.tokens_trained.set(status["tokens_trained"])
+        self.tokens_claimed.set(status.get("tokens_claimed", status["tokens_trained"]))
         self.tokens_merged.set(status["tokens_merged"])
         for part, size in status.get("memory", {}).items():
             self.memory.labels(part).set(size)

@@ -26,6 +26,7 @@ from diloco.syncer.annotations import MAX_BODY, Annotations
 from diloco.syncer import initial_model
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.credentials import Credentials
+from diloco.syncer.credentials_watch import CredentialsWatch
 from diloco.syncer.folder_lock import FolderLock
 from diloco.syncer import history_file
 from diloco.syncer.history import History
@@ -390,6 +391,10 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
                             client_cert_ids=opts.client_cert_ids)
     if on_service:
         on_service(service)
+    watch = None
+    if service.credentials is not None:
+        await service.close_revoked()  # sessions restored from the state, checked against the file as it is now
+        watch = CredentialsWatch(opts.credentials, service.use_credentials)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_SyncerServicer_to_server(service, server)
     credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
@@ -432,6 +437,8 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
         opts.out.mkdir(parents=True, exist_ok=True)
         write_json(opts.out / "ready.json", ready, indent=2)
     rounds = asyncio.create_task(service.run_rounds(stop))
+    if watch:
+        watch.start(loop)
     next_snapshot = core.clock() + opts.snapshot_seconds
     next_tokens = opts.snapshot_tokens
     write_errors = Throttled(log)
@@ -450,10 +457,10 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
                 log.info("the budget is spent and every learner has left: stopping")
                 stop.set()
             due_time = opts.snapshot_seconds and core.clock() >= next_snapshot
-            due_tokens = opts.snapshot_tokens and core.tokens_trained() >= next_tokens
+            due_tokens = opts.snapshot_tokens and core.budget_tokens() >= next_tokens
             if opts.out and core.initialized and (due_time or due_tokens):
                 next_snapshot = core.clock() + opts.snapshot_seconds
-                next_tokens = core.tokens_trained() + opts.snapshot_tokens
+                next_tokens = core.budget_tokens() + opts.snapshot_tokens
                 try:
                     await service._core(_snapshot, core, opts.out, status)
                 except OSError as e:
@@ -471,6 +478,8 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
         if opts.out and core.initialized:  # a syncer that never served has no run to chart
             await _save_history(history, opts.out / HISTORY_FILE, write_errors)
         core.stopping = True
+        if watch:
+            watch.stop(loop)
         await rounds
         await service.drain()
         await server.stop(grace=2.0)
@@ -553,7 +562,7 @@ def _snapshot(core: SyncerCore, out: Path, status: dict) -> None:
     folder = out / "snapshots"
     private_folder(folder)
     t = core.clock() - core.started_at
-    save_model(core, folder / f"{t:010.3f}.safetensors", seconds=round(t, 3), tokens_trained=core.tokens_trained(),
+    save_model(core, folder / f"{t:010.3f}.safetensors", seconds=round(t, 3), tokens_trained=core.budget_tokens(),
                tokens_merged=core.tokens_merged(), rounds=core.rounds, wire_bytes=status.get("wire_bytes", 0))
 
 

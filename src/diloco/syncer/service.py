@@ -30,10 +30,12 @@ from diloco.syncer import memory
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
 from diloco.syncer.downlink import Publication, for_current_session
 from diloco.syncer.guard import ShuttingDown, guarded, short
+from diloco.syncer.heartbeat_budget import HeartbeatBudget
 from diloco.syncer.initial_model import InitialModelFile
 from diloco.syncer.initial_upload import IDLE, InitialUpload
 from diloco.syncer.join_refusals import JoinRefusals
-from diloco.syncer.ledger import NOBODY, session_hash
+from diloco.syncer.ledger import NOBODY, LearnerRecord, session_hash
+from diloco.syncer.revocation import revoke, revoked_message
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
@@ -47,9 +49,6 @@ log = logging.getLogger("diloco.syncer")
 MAX_STREAMS = 4
 """Update streams, and push streams, one learner may hold open at once (a learner uses one of each; a reconnect
 may overlap the old stream briefly): one party cannot multiply what it costs the syncer."""
-HEARTBEATS_PER_SECOND = 100.0
-"""Sustained heartbeats a learner may send (a learner sends 2 a second; a latency probe, 20), with a burst of as
-many: a flood from one credential costs the syncer a bounded share of its time."""
 EXPIRY_SECONDS = 10.0
 """How often departed learners' records are looked at for expiry (SyncerCore.expire)."""
 ABSENCE_CHECK_SECONDS = 0.5
@@ -70,8 +69,8 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         self.core = core
         self.credentials = credentials
         self.client_cert_ids = client_cert_ids
-        self._heartbeat_allowance: dict[str, tuple[float, float]] = {}
-        """Per learner: (heartbeats it may still send at once, when that was reckoned), a token bucket."""
+        self.heartbeats = HeartbeatBudget()
+        """Heartbeats answered per credential and in total (syncer/heartbeat_budget.py)."""
         self._push_streams: dict[str, int] = {}
         """Push streams open per learner."""
         self.metrics = metrics
@@ -233,21 +232,46 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
                 f"one `diloco credentials new {learner_id}` printed)"))
         if self.credentials is not None and not self.token:
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong credential", (
-                f"learner id {shown(learner_id)} has no credential on this syncer: ask its operator to add one "
-                f"(`diloco credentials new ID --file FILE`) and pass that token with --token"))
+                f"learner id {shown(learner_id)} has no credential on this syncer (none was given, or it was "
+                f"revoked): ask its operator to add one (`diloco credentials new ID --file FILE`) and pass that token "
+                f"with --token"))
         await self._check_token(context, token)
         return None
 
-    def _heartbeat_allowed(self, learner_id: str) -> bool:
-        """A token bucket of HEARTBEATS_PER_SECOND per learner, holding as many."""
-        now = time.monotonic()
-        left, at = self._heartbeat_allowance.get(learner_id, (HEARTBEATS_PER_SECOND, now))
-        left = min(HEARTBEATS_PER_SECOND, left + (now - at) * HEARTBEATS_PER_SECOND)
-        if left < 1.0:
-            self._heartbeat_allowance[learner_id] = (left, now)
-            return False
-        self._heartbeat_allowance[learner_id] = (left - 1.0, now)
-        return True
+    # ---- credentials in force ------------------------------------------------------------------------------
+    def vouched(self, record: LearnerRecord) -> bool:
+        """Whether the credentials in force still stand behind `record`'s session (always, without a file)."""
+        if self.credentials is None or self.client_cert_ids:
+            return True
+        return self.credentials.vouches(record.credential or record.id, record.proof)  # older ledgers: no name
+
+    async def use_credentials(self, credentials, why: str) -> list[str]:
+        """Put `credentials` (a new reading of --credentials) in force at once, and close the sessions they no
+        longer vouch for; returns those learners' ids."""
+        self.credentials = credentials
+        log.info("credentials reloaded from %s (%s): %d learner ids", credentials.path, why, len(credentials.digests))
+        return await self.close_revoked()
+
+    async def close_revoked(self) -> list[str]:
+        """Close the sessions the credentials in force do not vouch for (restored ones at start included): their
+        update streams end, every later call is refused, and their contributions in open rounds are not merged."""
+        revoked = await self._core(revoke, self.core, self.vouched)
+        for learner_id in revoked:
+            queue = self._queues.get(learner_id)
+            if queue is not None:
+                queue.put_nowait(None)  # its Subscribe ends, saying why
+        if revoked:
+            log.warning("revoked the credential of learner%s %s: %s closed", "s" if len(revoked) > 1 else "",
+                        ", ".join(revoked), "their sessions are" if len(revoked) > 1 else "its session is")
+            self.wake.set()  # rounds no longer wait for them
+        return revoked
+
+    async def _refuse_revoked(self, context, record: LearnerRecord | None) -> None:
+        """Refuse a call of a session whose credential is no longer in force (checked on every call: a reload
+        takes effect before the core has marked the record)."""
+        if record is not None and (record.revoked or not self.vouched(record)):
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "revoked credential",
+                               revoked_message(record.id))
 
     def _new_queue(self) -> UpdateQueue:
         # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
@@ -263,7 +287,8 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
 
     def deliver(self, publications: list[Publication]) -> None:
         for pub in publications:
-            if for_current_session(pub, self.core.learners.get(pub.learner)):
+            record = self.core.learners.get(pub.learner)
+            if for_current_session(pub, record) and not record.revoked:
                 self._queue(pub.learner).put_nowait(pub)
         if publications:
             self.metrics.observe_rounds(self.core)
@@ -332,7 +357,8 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
                         "its own credential" if credential is not None else
                         "its session secret" if request.session else "--allow-takeover")
         try:
-            session = await self._core(self.core.join, request.learner_id, specs, credential)
+            proof = self.credentials.proof(credential) if credential and self.credentials else ""
+            session = await self._core(self.core.join, request.learner_id, specs, credential, proof)
             snapshot = await self._core(self.core.snapshot_for_join, request.learner_id, False)  # lent, not copied
         except Refused as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -396,6 +422,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
                                f"unknown learner or wrong session for learner {shown(learner_id)}: it left, re-joined "
                                f"elsewhere or never joined; join again")
+        await self._refuse_revoked(context, record)
 
     async def _admit_push(self, header, context) -> None:
         """A push's header, before any of its data is buffered: the learner's session, counters in bounds, the
@@ -508,6 +535,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
                                f"unknown learner or wrong session for learner {shown(request.learner_id)}: it left, "
                                f"re-joined elsewhere or never joined; join again")
+        await self._refuse_revoked(context, record)
         if self.update_streams(request.learner_id) >= MAX_STREAMS:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams", (
                 f"learner {shown(request.learner_id)} has {MAX_STREAMS} update streams open already; a learner "
@@ -518,7 +546,8 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         try:
             while True:
                 item = await queue.get()
-                if item is None:
+                if item is None:  # ended: superseded by a new join, forgotten, the syncer stops, or revoked
+                    await self._refuse_revoked(context, self.core.learners.get(request.learner_id))
                     return
                 pub, refused = item if isinstance(item, tuple) else (item, "")
                 for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq,
@@ -554,10 +583,12 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     async def Heartbeat(self, request, context):
         self._count_in(request)
         await self._authenticate(context, request.learner_id, request.session)
-        if not self._heartbeat_allowed(request.learner_id):
+        record = self.core.learners.get(request.learner_id)
+        credential = (record.credential if record is not None else "") or request.learner_id
+        if not self.heartbeats.allow(credential):  # after authenticating: nobody else can spend a credential's share
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many heartbeats", (
-                f"learner {shown(request.learner_id)} sends heartbeats faster than {HEARTBEATS_PER_SECOND:g} a "
-                f"second; the syncer answers at most that many"))
+                f"learner {shown(request.learner_id)} sends heartbeats faster than its credential's share, "
+                f"{self.heartbeats.rate():g} a second over all its ids; the syncer answers at most that many"))
         progress = await self._check_progress(request, context)
         started = time.monotonic()
         try:  # beside the core worker: a merge in progress does not delay it
@@ -615,7 +646,6 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             if queue is not None:
                 queue.put_nowait(None)  # ends a stream that may linger
             self._samples.pop(learner_id, None)
-            self._heartbeat_allowance.pop(learner_id, None)
             log.info("forgot learner %s (departed long ago)", learner_id)
         if learner_ids:
             gone = set(learner_ids)
