@@ -119,9 +119,12 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
     total = max(tokens_per_step, setup.tokens // tokens_per_step * tokens_per_step)
     out, started = Outcome(name), time.monotonic()
 
-    def global_loss() -> float:
+    def held_out() -> float:
         eval_model.load_state_dict(local.core.params())
-        loss = heldout_loss(eval_model, setup.eval_data, setup.device)
+        return heldout_loss(eval_model, setup.eval_data, setup.device)
+
+    def global_loss() -> float:
+        loss = held_out()
         if trace is not None:
             trace(out.tokens, loss, local.core.status())
         return loss
@@ -131,7 +134,7 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
                        lambda i: members[i].step_count,
                        lambda i, position: members[i].step(tokens_per_step, data_position=position),
                        local.tick, global_loss, deadline, log)
-        before_finish = global_loss()  # what the learners' last pushes then change
+        before_finish = held_out()  # what the learners' last pushes then change (not an evaluation of the trace)
         finish_all(local, members, timeout=max(30.0, deadline - time.monotonic()))
     except BaseException:
         for learner in members:
