@@ -70,6 +70,16 @@ def run_dp(setup: Setup, deadline: float, name: str = "dp", shards: int = 4, log
     return out
 
 
+def learner_data(setup: Setup, learners: int) -> tuple[int, list, int, int]:
+    """(sequences per learner step, each learner's ShardSampler, tokens per learner step, the run's tokens in whole
+    learner steps): dp's global batch split `learners` ways, times `learner_batch_scale`."""
+    per = max(1, round(setup.batch / learners * setup.learner_batch_scale))
+    samplers = [ShardSampler(setup.train_tokens, i, learners, setup.model.seq_len, per, setup.train.seed)
+                for i in range(learners)]
+    tokens_per_step = per * setup.model.seq_len
+    return per, samplers, tokens_per_step, max(tokens_per_step, setup.tokens // tokens_per_step * tokens_per_step)
+
+
 def train_in_turns(setup: Setup, out: Outcome, reps: list, samplers: list, speeds: list[float], tokens_per_step: int,
                    total: int, steps_of, stepped, end_turn, global_loss, deadline: float, log) -> None:
     """M learners on one device stepping in turn until `total` tokens (or `deadline`): a learner of speed s steps on
@@ -112,11 +122,7 @@ def run_decoupled(setup: Setup, name: str, learners: int, preset: str, deadline:
     reps = [Replica(setup, dtype) for dtype in dtypes]
     members = [Learner(rep.model, LocalTransport(local), f"l{i}", speed=speeds[i]) for i, rep in enumerate(reps)]
     eval_model = build_model(setup.model, setup.train.seed).to(setup.device)
-    per = max(1, round(setup.batch / learners * setup.learner_batch_scale))
-    samplers = [ShardSampler(setup.train_tokens, i, learners, setup.model.seq_len, per, setup.train.seed)
-                for i in range(learners)]
-    tokens_per_step = per * setup.model.seq_len
-    total = max(tokens_per_step, setup.tokens // tokens_per_step * tokens_per_step)
+    per, samplers, tokens_per_step, total = learner_data(setup, learners)
     out, started = Outcome(name), time.monotonic()
 
     def held_out() -> float:
@@ -173,11 +179,7 @@ def run_device(setup: Setup, name: str, learners: int, preset: str, deadline: fl
         for rep in reps:  # the parameters stay the ones the rounds hold
             rep.model = torch.compile(rep.model)
     eval_model = build_model(setup.model, setup.train.seed).to(setup.device)
-    per = max(1, round(setup.batch / learners * setup.learner_batch_scale))
-    samplers = [ShardSampler(setup.train_tokens, i, learners, setup.model.seq_len, per, setup.train.seed)
-                for i in range(learners)]
-    tokens_per_step = per * setup.model.seq_len
-    total = max(tokens_per_step, setup.tokens // tokens_per_step * tokens_per_step)
+    per, samplers, tokens_per_step, total = learner_data(setup, learners)
     out, started = Outcome(name), time.monotonic()
 
     def global_loss() -> float:
