@@ -15,7 +15,7 @@ from torch import nn
 
 from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
 from diloco.syncer import annotations
-from diloco.syncer.server import dashboard_html
+from diloco.syncer.http import dashboard_html
 from liveness import wait_for
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
-from diloco.syncer.server import LIVE_WITHIN, ServerOptions, SyncerThread, _http_server, probe
+from diloco.syncer.http import LIVE_WITHIN, http_server, probe
+from diloco.syncer.server import ServerOptions, SyncerThread
 from diloco.syncer.service import SyncerService
 
 from liveness import wait_for
@@ -91,7 +92,7 @@ def test_status_is_known_once_ready_json_says_where_to_ask(tmp_path, monkeypatch
 
 
 def test_status_before_the_first_refresh_says_starting():
-    server = _http_server("127.0.0.1:0", None, {}, [""])  # serves from its own thread
+    server = http_server("127.0.0.1:0", None, {}, [""])  # serves from its own thread
     try:
         code, body = get(f"http://127.0.0.1:{server.server_address[1]}/status")
         assert code == 503 and json.loads(body) == {"starting": True}

@@ -22,8 +22,9 @@ from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport, tls_problem
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
-from diloco.syncer import server
-from diloco.syncer.server import ServerOptions, SyncerThread, exposure_problems, http_authorized, status_json
+from diloco.syncer import http as syncer_http
+from diloco.syncer.http import http_authorized, status_json
+from diloco.syncer.server import ServerOptions, SyncerThread, exposure_problems
 from diloco.wire.tls import is_loopback, plaintext_token_problem
 from test_tls import issue, write
 
@@ -112,7 +113,7 @@ class Net(nn.Module):
 
 
 def test_live_status_has_no_session_and_slow_http_clients_are_dropped(monkeypatch):
-    monkeypatch.setattr(server, "HTTP_TIMEOUT", 0.5)
+    monkeypatch.setattr(syncer_http, "HTTP_TIMEOUT", 0.5)
     syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
                           ServerOptions(listen="127.0.0.1:0", http="127.0.0.1:0", token="s3cret"))
     try:
