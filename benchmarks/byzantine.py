@@ -19,6 +19,8 @@ built-in model on real data like the others and changes what it sends:
 | `heartbeat-tokens` | its real Δ, and heartbeats claiming 10^9 tokens more each time |
 | `flip-some` | −Δ on two of every five pushes of a fragment, its real Δ on the others: fewer than half of its recent pushes |
 | `noise-aligned` | `noise` plus its own Δ scaled so that the cosine with Δ is 0.6 (its Δ is what it knows of the run's recent direction) |
+| `alie` | "A little is enough" (Baruch et al. 2019, arXiv 1902.06156): its Δ moved, coordinate by coordinate, one standard deviation against the mean's sign; mean and deviation taken over its own last five pushes of the fragment |
+| `ipm` | inner-product manipulation (Xie et al. 2019, arXiv 1903.03936): −1.9 × the mean of its last five pushes of the fragment, at the norm of its own Δ, so just inside the robust merge's clip of 2× |
 
 Each run gets the same per-learner step budget (`--steps`), so the honest learners do the same work whatever the
 fourth sends; the table gives each run's final held-out loss against the all-honest run's, and against three honest
@@ -42,14 +44,18 @@ import time
 from pathlib import Path
 
 ATTACKS = ("sign-flip", "noise", "drift", "free-rider", "replay", "inflate-tokens", "tiny-weight", "heartbeat-tokens",
-           "flip-some", "noise-aligned")
+           "flip-some", "noise-aligned", "alie", "ipm")
+RECENT = 5
+"""Own pushes of a fragment that `alie` and `ipm` estimate the honest mean (and spread) from."""
 
 
 # ---- the hostile learner (this script, run with --hostile ATTACK) ----
 
-def attacked(attack: str, delta, pushes_before: int, generator, directions: dict, fragment: int):
+def attacked(attack: str, delta, pushes_before: int, generator, directions: dict, fragment: int,
+             recent: list | None = None):
     """What the hostile learner sends instead of its honest Δ of `fragment` (None: Δ itself), given how many pushes
-    of that fragment it made before this one. Counter attacks change the job, not Δ (`hostile_transport`)."""
+    of that fragment it made before this one and its own recent honest Δs of it (this one last). Counter attacks
+    change the job, not Δ (`hostile_transport`)."""
     import torch
 
     norm = delta.norm().item()
@@ -71,6 +77,14 @@ def attacked(attack: str, delta, pushes_before: int, generator, directions: dict
         return delta + 0.5 * norm * d
     if attack == "free-rider":
         return torch.zeros_like(delta)
+    if attack in ("alie", "ipm"):
+        recent = recent or [delta]
+        mean = torch.stack(recent).mean(0)
+        if attack == "ipm":
+            return mean * (-1.9 * norm / max(mean.norm().item(), 1e-30))
+        if len(recent) < 2:
+            return None  # no spread to hide in yet
+        return delta - torch.stack(recent).std(0) * torch.sign(mean)
     return None
 
 
@@ -85,6 +99,7 @@ def hostile_transport(attack: str, seed: int):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.history: dict[int, list] = {}
+            self.recent: dict[int, list] = {}
             self.directions: dict[int, torch.Tensor] = {}
             self.generator = torch.Generator().manual_seed(seed)
             self.claimed = 0
@@ -92,8 +107,10 @@ def hostile_transport(attack: str, seed: int):
         def push(self, job) -> None:
             payload = job.payload(self.config.codec)  # the honest Δ, encoded once: the sender reuses it
             kept = self.history.setdefault(job.fragment, [])
-            changed = attacked(attack, codec.decode(payload), len(kept), self.generator, self.directions,
-                               job.fragment)
+            delta = codec.decode(payload)
+            recent = self.recent.setdefault(job.fragment, [])
+            recent[:] = [*recent[-(RECENT - 1):], delta]
+            changed = attacked(attack, delta, len(kept), self.generator, self.directions, job.fragment, recent)
             kept.append(payload)
             if attack == "free-rider":
                 job.tokens = 4 * job.tokens

@@ -51,3 +51,21 @@ def test_drift_adds_half_the_norm_along_one_direction_per_fragment(delta):
     assert torch.allclose(first, second)  # the same direction every push
     assert (first - delta).norm().item() == pytest.approx(0.5 * delta.norm().item(), rel=1e-5)
     assert set(ATTACKS) >= {"flip-some", "noise-aligned"}
+
+
+def test_alie_moves_each_coordinate_one_deviation_against_the_mean(delta):
+    assert send("alie", delta) is None  # one push: no spread to hide in yet
+    g = torch.Generator().manual_seed(2)
+    recent = [delta + 0.3 * torch.randn(4096, generator=g) for _ in range(4)] + [delta]
+    sent = attacked("alie", delta, 4, torch.Generator().manual_seed(0), {}, 0, recent)
+    spread, mean = torch.stack(recent).std(0), torch.stack(recent).mean(0)
+    assert torch.allclose(sent - delta, -spread * torch.sign(mean))
+    assert cosine(sent, delta) > 0.5  # in the honest spread, not a flip
+
+
+def test_ipm_sends_the_negated_recent_mean_inside_the_clip(delta):
+    g = torch.Generator().manual_seed(2)
+    recent = [delta + 0.3 * torch.randn(4096, generator=g) for _ in range(4)] + [delta]
+    sent = attacked("ipm", delta, 4, torch.Generator().manual_seed(0), {}, 0, recent)
+    assert cosine(sent, torch.stack(recent).mean(0)) == pytest.approx(-1.0, abs=1e-5)
+    assert sent.norm().item() == pytest.approx(1.9 * delta.norm().item(), rel=1e-5)
