@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from diloco import checks
+from diloco import checks, secrets
 
 from diloco.options import (  # noqa: F401  (also this module's names: tests and scripts import them from here)
     CODECS, MODES, PRESETS, SYNC_FLAGS, WIRE_COMPRESSIONS, Parser, UserError, __version__, add_config_options,
@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--listen", type=address, default="127.0.0.1:50051", help="gRPC HOST:PORT (127.0.0.1:50051)")
     n.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of the dashboard, /status, /history and /metrics")
     n.add_argument("--token", help="secret shared by trusted learners (beyond loopback: this or --credentials, never "
-                                   "both)")
+                                   "both); prefer --token-file or $DILOCO_TOKEN, which `ps` does not show")
+    secrets.add_file_flag(n, "token", "the shared secret")
     n.add_argument("--credentials", type=Path, metavar="FILE",
                    help="per-learner credentials (TOML, `diloco credentials new ID --file FILE`): each listed id "
                         "joins only with its own token, and reclaims its id with it after a restart; read again when "
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "credential; it joins under that id only")
     n.add_argument("--status-token", help="read-only secret for /status, /history and /metrics beyond loopback "
                                           "(`Authorization: Bearer ...`); loopback clients need none")
+    secrets.add_file_flag(n, "status_token", "the read-only status secret")
     n.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     n.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     n.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
@@ -317,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--syncer", type=addresses,
                    help="HOST:PORT of the syncer; of a sharded syncer, every shard's in shard order: A,B,... (required)")
     n.add_argument("--id", help="stable learner name; re-joining under it resumes its data (required)")
-    n.add_argument("--token", help="the syncer's shared secret")
+    n.add_argument("--token", help="the syncer's shared secret, or this learner's credential token; prefer "
+                                   "--token-file or $DILOCO_TOKEN, which `ps` does not show")
+    secrets.add_file_flag(n, "token", "the token")
     n.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     n.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this PEM CA certificate")
     n.add_argument("--tls-cert", type=Path, help="client certificate for a syncer that requires one (with --tls-key)")
@@ -354,9 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("credentials", help="make a learner's own token for a syncer's --credentials file",
                        description="Add (or replace) a learner id's credential: a new token is printed once, and only "
-                                   "its SHA-256 is written to FILE (created readable by you alone). Give the token to "
-                                   "that learner (`diloco learner --id ID --token TOKEN`), start the syncer with "
-                                   "--credentials FILE.")
+                                   "its SHA-256 is written to FILE (created readable by you alone). The token alone goes "
+                                   "to stdout: `(umask 077; diloco credentials new ID --file FILE > ID.token)`, then "
+                                   "give ID.token to that learner alone (`diloco learner --id ID --token-file "
+                                   "ID.token`) and start the syncer with --credentials FILE.")
     p.add_argument("action", choices=("new",), help="new: a token for ID")
     p.add_argument("learner_id", metavar="ID", help="the learner id the token proves")
     p.add_argument("--file", type=Path, required=True, help="the credentials file (TOML) the syncer reads")
@@ -409,6 +414,7 @@ def with_config(parser: Parser, args: argparse.Namespace, argv: list[str] | None
         raise UserError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (on the command "
                         f"line, or in a --config file)")
     args.parser_defaults = defaults
+    secrets.resolve(args)
     return args
 
 

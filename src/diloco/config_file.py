@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from diloco import untrusted_files
+from diloco import secrets, untrusted_files
+
+log = logging.getLogger("diloco.config")
 
 TABLES = {"run": ("sync", "train"), "syncer": ("sync",), "learner": ("train",), "compare": ()}
 """The tables each command's file may have."""
 MAX_BYTES = 1 << 20
 """Largest --config file read (a full one is a few KB)."""
+SECRET_KEYS = {dest: variables[0] for dest, variables in secrets.SOURCES.items()}
+"""Keys whose values are secrets: warned about in a file, never printed (diloco/secrets.py)."""
 NOT_SETTINGS = {"help", "config", "print_config", "sync_config"}
 """Flags that say what to do with settings rather than being one (and the syncer's private --sync-config)."""
 
@@ -95,6 +100,9 @@ def load(path: Path, command: str, parser: argparse.ArgumentParser) -> Settings:
                 raise ConfigError(f"{path}: unknown key {key_text(table, key)} for diloco {command}"
                                   f"{suggest(key, keys)}")
             spec = keys[table][key]
+            if not table and key in SECRET_KEYS:
+                log.warning("%s holds the secret %r: a config file gets shared; put it in %s_file or $%s instead",
+                            path, key, key, SECRET_KEYS[key])
             if isinstance(spec, argparse.Action):
                 settings.flags[spec.dest] = flag_value(spec, value, where)
             else:
@@ -272,5 +280,9 @@ def dump(command: str, parser: argparse.ArgumentParser, args: argparse.Namespace
             continue
         lines += ["", f"[{table}]"] if table else [""]
         for key, value, given in entries:
+            if not table and key in SECRET_KEYS:  # a printed file is shared: its secret stays where it came from
+                if value:
+                    lines.append(f"# {key} = (given; not printed: use {key}_file or ${SECRET_KEYS[key]})")
+                continue
             lines.append(f"{'' if given else '# '}{key} = {toml_value(value)}")
     return "\n".join(lines) + "\n"

@@ -107,5 +107,7 @@ def register(sub) -> None:
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print the syncer's /status as JSON, once")
     p.add_argument("--every", type=positive_seconds, default=1.0, metavar="SECONDS", help="refresh period (1 s)")
-    p.add_argument("--token", help="beyond loopback: the syncer's --status-token (or its run --token)")
+    p.add_argument("--token", help="beyond loopback: the syncer's --status-token (or its run --token); "
+                                   "else --token-file, else $DILOCO_STATUS_TOKEN")
+    p.add_argument("--token-file", metavar="FILE", help="a file holding that token alone")
     p.set_defaults(func=lambda args: run(args.address, args.token, args.once, args.json, args.every))
