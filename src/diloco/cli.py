@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from diloco import checks, secrets
+from diloco import checks, secret_sources
 
 from diloco.options import (  # noqa: F401  (also this module's names: tests and scripts import them from here)
     CODECS, MODES, PRESETS, SYNC_FLAGS, WIRE_COMPRESSIONS, Parser, UserError, __version__, add_config_options,
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--http", type=address, default="127.0.0.1:8080", help="HOST:PORT of the dashboard, /status, /history and /metrics")
     n.add_argument("--token", help="secret shared by trusted learners (beyond loopback: this or --credentials, never "
                                    "both); prefer --token-file or $DILOCO_TOKEN, which `ps` does not show")
-    secrets.add_file_flag(n, "token", "the shared secret")
+    secret_sources.add_file_flag(n, "token", "the shared secret")
     n.add_argument("--credentials", type=Path, metavar="FILE",
                    help="per-learner credentials (TOML, `diloco credentials new ID --file FILE`): each listed id "
                         "joins only with its own token, and reclaims its id with it after a restart; read again when "
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "credential; it joins under that id only")
     n.add_argument("--status-token", help="read-only secret for /status, /history and /metrics beyond loopback "
                                           "(`Authorization: Bearer ...`); loopback clients need none")
-    secrets.add_file_flag(n, "status_token", "the read-only status secret")
+    secret_sources.add_file_flag(n, "status_token", "the read-only status secret")
     n.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     n.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     n.add_argument("--tls-client-ca", type=Path, help="require learners to present certificates signed by this CA")
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--id", help="stable learner name; re-joining under it resumes its data (required)")
     n.add_argument("--token", help="the syncer's shared secret, or this learner's credential token; prefer "
                                    "--token-file or $DILOCO_TOKEN, which `ps` does not show")
-    secrets.add_file_flag(n, "token", "the token")
+    secret_sources.add_file_flag(n, "token", "the token")
     n.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     n.add_argument("--tls-ca", type=Path, help="connect with TLS, trusting this PEM CA certificate")
     n.add_argument("--tls-cert", type=Path, help="client certificate for a syncer that requires one (with --tls-key)")
@@ -414,7 +414,7 @@ def with_config(parser: Parser, args: argparse.Namespace, argv: list[str] | None
         raise UserError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (on the command "
                         f"line, or in a --config file)")
     args.parser_defaults = defaults
-    secrets.resolve(args)
+    secret_sources.resolve(args)
     return args
 
 

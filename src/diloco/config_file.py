@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from diloco import secrets, untrusted_files
+from diloco import secret_sources, untrusted_files
 
 log = logging.getLogger("diloco.config")
 
@@ -25,8 +25,8 @@ TABLES = {"run": ("sync", "train"), "syncer": ("sync",), "learner": ("train",), 
 """The tables each command's file may have."""
 MAX_BYTES = 1 << 20
 """Largest --config file read (a full one is a few KB)."""
-SECRET_KEYS = {dest: variables[0] for dest, variables in secrets.SOURCES.items()}
-"""Keys whose values are secrets: warned about in a file, never printed (diloco/secrets.py)."""
+SECRET_KEYS = {dest: variables[0] for dest, variables in secret_sources.SOURCES.items()}
+"""Keys whose values are secrets: warned about in a file, never printed (diloco/secret_sources.py)."""
 NOT_SETTINGS = {"help", "config", "print_config", "sync_config"}
 """Flags that say what to do with settings rather than being one (and the syncer's private --sync-config)."""
 

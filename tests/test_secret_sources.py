@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from diloco import cli, secrets
+from diloco import cli, secret_sources
 from diloco.options import UserError
 
 
@@ -90,7 +90,7 @@ def test_every_secret_flag_has_a_file_and_a_variable():
     for command in ("syncer", "learner", "status"):
         flags = {o for a in parser.commands[command]._actions for o in a.option_strings}
         assert "--token-file" in flags, command
-    assert set(secrets.SOURCES) == {"token", "status_token"}
+    assert set(secret_sources.SOURCES) == {"token", "status_token"}
 
 
 def test_a_printed_config_never_holds_a_secret_and_a_file_holding_one_is_warned_of(tmp_path, monkeypatch, capsys,
