@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from provenance import stamped
 
 MECHANISMS = {
     # name: (flags that turn it on over the paper preset, flags that turn it off under the defaults)
@@ -174,7 +175,7 @@ def main() -> None:
             rows[name] = {**summarise(runs), "flags": flags, "per_seed": runs}
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(results, indent=1))
+                args.json.write_text(json.dumps(stamped(results, args), indent=1))
         table = Table(title=f"{setting}: held-out loss at equal allocated tokens ({len(seeds)} seeds)")
         for col in ("configuration", "loss (mean ± half range)", "tokens trained", "goodput"):
             table.add_column(col, justify="left" if col == "configuration" else "right")

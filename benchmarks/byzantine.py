@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import signal
@@ -42,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from provenance import stamped
 
 ATTACKS = ("sign-flip", "noise", "drift", "free-rider", "replay", "inflate-tokens", "tiny-weight", "heartbeat-tokens",
            "flip-some", "noise-aligned", "alie", "ipm")
@@ -261,7 +261,9 @@ def main() -> int:
         p.error(f"unknown attack(s) {', '.join(sorted(unknown))}; choose from {', '.join(ATTACKS)}")
     results = {"settings": vars(args) | {"json": str(args.json), "out": str(args.out), "markdown": None}, "runs": {}}
     if args.json and args.json.exists():
-        results["runs"] = json.loads(args.json.read_text())["runs"]
+        earlier = json.loads(args.json.read_text())
+        results["runs"] = earlier["runs"]
+        results.update({k: earlier[k] for k in ("provenance", "provenance_more") if k in earlier})
     args.out.mkdir(parents=True, exist_ok=True)
     plan = [("honest", "honest"), ("alone", None), *((a, a) for a in attacks)]
     for seed in (int(s) for s in args.seeds.split(",")):
@@ -277,7 +279,7 @@ def main() -> int:
                   flush=True)
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(results, indent=1))
+                args.json.write_text(json.dumps(stamped(results, args), indent=1))
     print(table(results))
     return 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from provenance import stamped
 
 
 def main() -> int:
@@ -48,9 +49,9 @@ def main() -> int:
                       f"{r['wire_bytes'] / 2**20:,.1f}", f"{ref['wire_bytes'] / max(r['wire_bytes'], 1):,.1f}×",
                       f"{r['goodput']:.3f}", f"{r['uptime']:.3f}")
     Console().print(table)
-    (args.out / "summary.json").write_text(json.dumps({m: {k: r[k] for k in (
+    (args.out / "summary.json").write_text(json.dumps(stamped({m: {k: r[k] for k in (
         "tokens_trained", "wall_seconds", "final_eval_loss", "initial_eval_loss", "wire_bytes", "goodput", "uptime")}
-        for m, r in reports.items()}, indent=2))
+        for m, r in reports.items()}, args), indent=2))
     return 0
 
 

@@ -29,6 +29,7 @@ from learner_overhead import SyncerProcess, join_deadlines  # noqa: E402
 
 from diloco import GrpcTransport, Learner  # noqa: E402
 from diloco.train.config import TrainConfig  # noqa: E402
+from provenance import stamped  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
             learner.close()
             raise
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "learner_profile.json").write_text(json.dumps(result, indent=1, default=str))
+    (args.out / "learner_profile.json").write_text(json.dumps(stamped(result, args), indent=1, default=str))
     for name in ("plain", "learner"):
         r = result[name]
         print(f"{name:8s} wall/step {r['wall_per_step'] * 1e3:7.2f} ms; host: step {r['step_host_median'] * 1e3:6.2f} ms,"

@@ -34,7 +34,8 @@ from diloco.train.config import ModelConfig  # noqa: E402
 from diloco.train.data import eval_batches  # noqa: E402
 from diloco.train.model import build_model  # noqa: E402
 from gpu_runs import quality_rows, run_device, run_dp  # noqa: E402
-from gpu_setup import Setup, commit, load_corpus, smoke_corpus, train_config  # noqa: E402
+from gpu_setup import Setup, load_corpus, smoke_corpus, train_config  # noqa: E402
+from provenance import commit, stamped  # noqa: E402
 
 ARMS = {"default": ("default", {}), "paper": ("paper", {}), "paper-dn2": ("paper", dict(momentum_every=2))}
 """Name: (preset, syncer settings over it)."""
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
             log(f"{name}: {outcomes[-1].final:.4f} ({outcomes[-1].final - dp.final:+.4f} against dp)")
         report["seeds"].append(dict(seed=seed, dp=dp.to_json(), runs=[o.to_json() for o in outcomes],
                                     rows=quality_rows(dp, outcomes)))
-        (args.out / "gpu_quality.json").write_text(json.dumps(report, indent=1))  # after every seed
+        (args.out / "gpu_quality.json").write_text(json.dumps(stamped(report, args), indent=1))  # after every seed
     (args.out / "gpu_quality.md").write_text(table(report))
     log(f"wrote {args.out / 'gpu_quality.json'} and {args.out / 'gpu_quality.md'}")
     return 0

@@ -56,6 +56,7 @@ from gpu_report import markdown  # noqa: E402
 from gpu_runs import calibrate, plan_tokens, quality_rows, run_decoupled, run_dp  # noqa: E402
 from gpu_setup import (  # noqa: E402
     OVERHEAD_GOAL, PART_SHARES, Setup, load_corpus, model_configs, smoke_corpus, train_config)
+from provenance import stamped  # noqa: E402
 
 
 # ---- main ----------------------------------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         report["mixed"] = dict(tokens=0, runs=[], notes=["not run (--parts)"])
 
     report["seconds"] = time.monotonic() - started
-    (args.out / "gpu_scale.json").write_text(json.dumps(report, indent=1))
+    (args.out / "gpu_scale.json").write_text(json.dumps(stamped(report, args), indent=1))
     (args.out / "gpu_scale.md").write_text(markdown(report))
     print(markdown(report))
     log(f"wrote {args.out / 'gpu_scale.json'} and {args.out / 'gpu_scale.md'}")

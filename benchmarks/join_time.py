@@ -26,6 +26,7 @@ from diloco import GrpcTransport, Learner
 from diloco.chaos import LinkFaults, ProxyThread
 from diloco.chaos.cli import parse_rate
 from learner_overhead import SyncerProcess  # the syncer in its own process (benchmarks/ is on sys.path)
+from provenance import stamped
 
 STALL_SECONDS = 120.0
 """Deadline of a transport that fails a call only when it stops making progress (stall_timeout)."""
@@ -148,7 +149,7 @@ def main() -> int:
     print_table(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(stamped({"links": results}, args), indent=2))
     return 0
 
 

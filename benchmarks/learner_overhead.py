@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from provenance import stamped
 
 MODELS = {  # name: (batch size, sequence length) of one inner step
     "gpt2-124m": (1, 64),
@@ -254,7 +255,7 @@ def main() -> int:
     print_table(summary)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2))
+        args.json.write_text(json.dumps(stamped(summary, args), indent=2))
     return 0
 
 

@@ -31,6 +31,7 @@ from diloco.run.local import TINY
 from diloco.train.config import TrainConfig, lr_at
 from diloco.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from diloco.train.model import build_model
+from provenance import stamped
 
 
 class ManualAdamW:
@@ -138,7 +139,7 @@ def main() -> int:
             results["runs"][f"{variant}@{seed}"] = loss
             print(f"{variant}@{seed}: {loss:.4f}", file=sys.stderr, flush=True)
             if args.json:
-                args.json.write_text(json.dumps(results, indent=1))
+                args.json.write_text(json.dumps(stamped(results, args), indent=1))
     print("| variant | final held-out loss − dp's (seeds " + ", ".join(map(str, seeds)) + ") |\n|---|---|")
     for variant in variants:
         gaps = [results["runs"][f"{variant}@{s}"] - results["runs"][f"dp@{s}"] for s in seeds] if "dp" in variants \

@@ -32,7 +32,8 @@ sys.path.insert(0, str(HERE.parent / "src"))  # the package, where it is not ins
 from diloco.train.config import ModelConfig  # noqa: E402
 from diloco.train.data import eval_batches  # noqa: E402
 from gpu_runs import run_decoupled, run_dp  # noqa: E402
-from gpu_setup import Setup, commit, load_corpus, train_config  # noqa: E402
+from gpu_setup import Setup, load_corpus, train_config  # noqa: E402
+from provenance import commit  # noqa: E402
 
 ARMS = {
     "paper": ("paper", {}),

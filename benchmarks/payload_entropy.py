@@ -26,6 +26,7 @@ from diloco.run.local import TINY
 from diloco.train.config import TrainConfig, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler
 from diloco.train.model import build_model
+from provenance import stamped
 
 
 def symbols(payload: codec.Encoded) -> tuple[np.ndarray, int]:
@@ -92,7 +93,7 @@ def main() -> None:
               f"zlib {r['zlib6_ratio_median']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "warmup": args.warmup, "steps": args.steps, **result}, f, indent=1)
+            json.dump(stamped({"model": args.model, "warmup": args.warmup, "steps": args.steps, **result}, args), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from provenance import stamped
 
 BATCH, SEQ_LEN = 1, 64
 
@@ -206,7 +207,7 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(stamped(result, args), indent=1))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from diloco.fragments import plan_fragments, tensor_specs
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import GRPC_OPTIONS, push_chunks, specs_to_proto
+from provenance import stamped
 
 TENSORS = 24
 
@@ -243,7 +244,7 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(stamped(result, args), indent=1))
 
 
 if __name__ == "__main__":

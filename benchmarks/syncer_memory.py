@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import numpy as np
+from provenance import stamped
 
 
 def gpt2_specs():
@@ -117,7 +118,7 @@ def main() -> None:
               f"baseline: {r['peak_above_baseline_over_model']:.2f} × model", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(stamped({"learners": results}, args), f, indent=2)
 
 
 if __name__ == "__main__":

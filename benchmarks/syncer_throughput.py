@@ -32,6 +32,7 @@ from diloco.merge import StreamingMerge
 from diloco.syncer.buffers import Buffers
 from diloco.syncer.core import REUSED_FRAGMENTS, FragmentState, SyncerCore
 from diloco.syncer.store import StateStore
+from provenance import stamped
 
 
 def median_seconds(fn, repeats: int, setup=None) -> float:
@@ -136,7 +137,7 @@ def main() -> None:
         print(json.dumps(durability[-1], indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"merge": merge, "durability": durability}, indent=1))
+        args.json.write_text(json.dumps(stamped({"merge": merge, "durability": durability}, args), indent=1))
 
 
 if __name__ == "__main__":

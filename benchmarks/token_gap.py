@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan import first_reach, run_once  # noqa: E402  (a sibling script)
 
 from diloco.codec import BLOCK, SCALE_BYTES  # noqa: E402
+from provenance import stamped  # noqa: E402
 
 
 def ratio_rows(results: dict, margin: float) -> list[dict]:
@@ -150,7 +151,7 @@ def main() -> int:
                                             out / f"{name}-s{seed}")
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(results, indent=1))
+                args.json.write_text(json.dumps(stamped(results, args), indent=1))
     print(markdown(results, args.margin) + "\n\n" + parts_markdown(results))
     return 0
 

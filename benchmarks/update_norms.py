@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from diloco.fragments import plan_fragments, tensor_specs
+from provenance import stamped
 
 
 def relative_step_norms(lr: float, steps: int, fragments: int, layers: int, width: int, vocab: int,
@@ -65,7 +66,7 @@ def main() -> None:
               + f"  (max {max(norms):.4f})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+        args.json.write_text(json.dumps(stamped({"results": results}, args), indent=1))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from provenance import stamped
 
 COLUMNS = ("link", "mode", "budget", "s/step", "S", "time to T", "speed-up", "speed-up / S", "tokens to T",
            "utilisation", "wire MB", "link MB", "final loss")
@@ -423,7 +424,7 @@ def main() -> int:
                           f"{time.monotonic() - started:.0f} s")
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(results, indent=1))
+                args.json.write_text(json.dumps(stamped(results, args), indent=1))
         return results["runs"][key]
 
     if "dp" in modes and "none" in rates:
