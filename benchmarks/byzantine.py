@@ -92,7 +92,7 @@ def hostile_transport(attack: str, seed: int):
     """A GrpcTransport whose pushes and heartbeats carry `attack`."""
     import torch
 
-    from diloco import codec
+    from diloco.algorithm import codec
     from diloco.learner.grpc_transport import GrpcTransport
 
     class Hostile(GrpcTransport):

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.fragments import named_state, plan_fragments, segments, tensor_specs
-from diloco.merge import merge, token_weight
-from diloco.outer import outer_update
-from diloco.schedule import due
+from diloco.algorithm.fragments import named_state, plan_fragments, segments, tensor_specs
+from diloco.algorithm.merge import merge, token_weight
+from diloco.algorithm.outer import outer_update
+from diloco.algorithm.schedule import due
 from diloco.syncer.rounds import counted_as
 
 

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the package, where it is not installed
 
-from diloco.fragments import plan_fragments, tensor_specs  # noqa: E402
+from diloco.algorithm.fragments import plan_fragments, tensor_specs  # noqa: E402
 from diloco.learner.model_tensors import ModelTensors, checked_state  # noqa: E402
 from diloco.train.config import ModelConfig  # noqa: E402
 from diloco.train.model import build_model  # noqa: E402

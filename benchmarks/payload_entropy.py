@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.run.local import TINY
 from diloco.train.config import TrainConfig, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler

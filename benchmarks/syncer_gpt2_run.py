@@ -73,7 +73,7 @@ def probe(address: str, http_port: int, stop, out) -> None:
     the one asked for the initial model)."""
     import grpc
 
-    from diloco.fragments import tensor_specs
+    from diloco.algorithm.fragments import tensor_specs
     from diloco.wire import diloco_pb2 as pb
     from diloco.wire import diloco_pb2_grpc as pb_grpc
     from diloco.wire.messages import GRPC_OPTIONS, specs_to_proto

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.fragments import TensorSpec
+from diloco.algorithm.fragments import TensorSpec
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import SyncerService

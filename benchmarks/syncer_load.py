@@ -32,8 +32,8 @@ import grpc
 import torch
 
 from diloco import GrpcTransport, Learner, ShardedTransport
-from diloco import codec
-from diloco.fragments import plan_fragments, tensor_specs
+from diloco.algorithm import codec
+from diloco.algorithm.fragments import plan_fragments, tensor_specs
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import GRPC_OPTIONS, push_chunks, specs_to_proto

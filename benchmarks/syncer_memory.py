@@ -27,12 +27,12 @@ def gpt2_specs():
         import torch
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        from diloco.fragments import tensor_specs
+        from diloco.algorithm.fragments import tensor_specs
 
         with torch.device("meta"):
             return tensor_specs(GPT2LMHeadModel(GPT2Config())), "transformers GPT2LMHeadModel(GPT2Config())"
     except ImportError:
-        from diloco.fragments import TensorSpec
+        from diloco.algorithm.fragments import TensorSpec
 
         specs = [TensorSpec("wte", (50257, 768), "float32", True), TensorSpec("wpe", (1024, 768), "float32", True)]
         for layer in range(12):  # GPT-2 small's block shapes
@@ -51,7 +51,7 @@ def random_payload(numel: int, codec_name: str, rng):
     tensor here would add the benchmark's own temporaries to the syncer's peak."""
     import torch
 
-    from diloco import codec
+    from diloco.algorithm import codec
 
     blocks = -(-numel // codec.BLOCK)
     scales = torch.full((blocks,), 1e-4, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
@@ -66,7 +66,7 @@ def measure(learners: int, rounds: int) -> dict:
     import torch
 
     from diloco.config import for_mode
-    from diloco.fragments import fitted_layout
+    from diloco.algorithm.fragments import fitted_layout
     from diloco.syncer.core import SyncerCore
 
     specs, source = gpt2_specs()

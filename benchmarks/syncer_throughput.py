@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.fragments import TensorSpec
-from diloco.merge import StreamingMerge
+from diloco.algorithm.fragments import TensorSpec
+from diloco.algorithm.merge import StreamingMerge
 from diloco.syncer.buffers import Buffers
 from diloco.syncer.core import REUSED_FRAGMENTS, FragmentState, SyncerCore
 from diloco.syncer.store import StateStore

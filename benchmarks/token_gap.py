@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan import first_reach, run_once  # noqa: E402  (a sibling script)
 
-from diloco.codec import BLOCK, SCALE_BYTES  # noqa: E402
+from diloco.algorithm.codec import BLOCK, SCALE_BYTES  # noqa: E402
 from provenance import stamped  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.fragments import plan_fragments, tensor_specs
+from diloco.algorithm.fragments import plan_fragments, tensor_specs
 from provenance import stamped
 
 

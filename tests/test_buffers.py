@@ -2,7 +2,7 @@
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.syncer.buffers import Buffers
 from test_syncer_core import SPECS, make_core
 

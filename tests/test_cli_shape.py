@@ -71,7 +71,8 @@ def test_the_flags_of_our_additions_are_the_fields_marked_ours():
 
 def test_constants_read_from_source_match_the_modules():
     import diloco
-    from diloco import cli, codec, config
+    from diloco import cli, config
+    from diloco.algorithm import codec
 
     assert (cli.CODECS, cli.MODES, cli.PRESETS, cli.WIRE_COMPRESSIONS, cli.__version__) == (
         codec.CODECS, config.MODES, config.PRESETS, config.WIRE_COMPRESSIONS, diloco.__version__)

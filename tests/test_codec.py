@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from diloco import codec
-from diloco.codec import BLOCK, CODECS, CorruptPayload, Encoded, ErrorFeedback, decode, encode, encoded_size
+from diloco.algorithm import codec
+from diloco.algorithm.codec import BLOCK, CODECS, CorruptPayload, Encoded, ErrorFeedback, decode, encode, encoded_size
 
 
 @pytest.mark.parametrize("codec", CODECS)

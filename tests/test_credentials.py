@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from diloco.config import for_mode
-from diloco.fragments import tensor_specs
+from diloco.algorithm.fragments import tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.direction_guard import DirectionGuard
 from diloco.syncer.replay import replay

@@ -2,11 +2,11 @@ import pytest
 import torch
 from torch import nn
 
-from diloco.fragments import (
+from diloco.algorithm.fragments import (
     TensorSpec, clean_name, first_difference, fit_fragments, gather, max_fragments, plan_fragments, scatter, signature,
     tensor_specs,
 )
-from diloco.schedule import due, offset
+from diloco.algorithm.schedule import due, offset
 
 
 def specs(sizes, embedding=()):

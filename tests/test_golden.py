@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec
+from diloco.algorithm.fragments import TensorSpec
 from diloco.learner.learner import Learner
 from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.syncer.core import SyncerCore

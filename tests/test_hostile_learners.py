@@ -1,5 +1,5 @@
 """What a participant holding a valid credential can no longer do to the model, the rounds or the budget: each test
-replays one attack against SyncerCore under a fake clock (docs/architecture.md, Threat model)."""
+replays one attack against SyncerCore under a fake clock (docs/security.md, Threat model)."""
 
 import math
 import time
@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
-from diloco.merge import StreamingMerge, merge
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.merge import StreamingMerge, merge
 from diloco.syncer import rounds
 from diloco.syncer.core import SyncerCore
 

@@ -16,9 +16,9 @@ import torch
 import zstandard
 from torch import nn
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import tensor_specs
+from diloco.algorithm.fragments import tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError

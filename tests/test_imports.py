@@ -69,3 +69,13 @@ def test_the_learner_side_imports_nothing_of_the_syncer():
 
 def test_the_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_algorithm_imports_nothing_else_of_the_package():
+    """diloco.algorithm is the pure algorithm: the syncer, the learner and the simulator build on it, never the
+    other way round."""
+    graph = import_graph()
+    algorithm = {m for m in graph if m.startswith("diloco.algorithm")}
+    assert {"diloco.algorithm.codec", "diloco.algorithm.merge", "diloco.algorithm.outer"} <= algorithm
+    outside = {m: sorted(t for t in graph[m] if not t.startswith("diloco.algorithm")) for m in algorithm}
+    assert not any(outside.values()), outside

@@ -7,8 +7,8 @@ import grpc
 import pytest
 import torch
 
-from diloco.digest import DIGEST_BYTES, check_held, fragment_digests, held_fragments, tensor_digests
-from diloco.fragments import TensorSpec, gather, plan_fragments, tensor_specs
+from diloco.algorithm.digest import DIGEST_BYTES, check_held, fragment_digests, held_fragments, tensor_digests
+from diloco.algorithm.fragments import TensorSpec, gather, plan_fragments, tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.initial import InitialModel
 from diloco.learner.learner import Learner

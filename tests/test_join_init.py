@@ -14,7 +14,7 @@ from torch import nn
 
 from diloco.chaos import LinkFaults, ProxyThread
 from diloco.config import for_mode
-from diloco.fragments import tensor_specs
+from diloco.algorithm.fragments import tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from diloco.config import for_mode
-from diloco.fragments import gather, plan_fragments, tensor_specs
+from diloco.algorithm.fragments import gather, plan_fragments, tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.syncer.server import ServerOptions, SyncerThread

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from diloco import Learner, for_mode
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta
 from diloco.learner.transport import Arrival, Receiver
 from diloco.syncer.downlink import tensor_checksum

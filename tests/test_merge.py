@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from diloco import codec
-from diloco import merge as merge_module
-from diloco.merge import StreamingMerge, merge, rda, segment_norms, token_weight, weighted_mean
-from diloco.outer import nesterov_step
+from diloco.algorithm import codec
+from diloco.algorithm import merge as merge_module
+from diloco.algorithm.merge import StreamingMerge, merge, rda, segment_norms, token_weight, weighted_mean
+from diloco.algorithm.outer import nesterov_step
 
 
 def test_token_weight_formula():
@@ -83,7 +83,7 @@ def test_outer_step_with_unit_lr_and_no_momentum_is_plain_update():
 
 
 def test_delayed_momentum_equals_nesterov_for_full_rounds():
-    from diloco.outer import delayed_nesterov_step
+    from diloco.algorithm.outer import delayed_nesterov_step
 
     a, va = torch.tensor([1.0]), torch.zeros(1)
     b, vb, pending = torch.tensor([1.0]), torch.zeros(1), torch.zeros(1)
@@ -95,7 +95,7 @@ def test_delayed_momentum_equals_nesterov_for_full_rounds():
 
 
 def test_delayed_momentum_advances_once_per_full_share():
-    from diloco.outer import delayed_nesterov_step
+    from diloco.algorithm.outer import delayed_nesterov_step
 
     theta, v, pending = torch.tensor([0.0]), torch.zeros(1), torch.zeros(1)
     share = delayed_nesterov_step(theta, torch.tensor([0.25]), v, pending, 0.5, 0.0, lr=1.0, mu=0.5)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from diloco.fragments import tensor_specs
+from diloco.algorithm.fragments import tensor_specs
 from diloco.learner import model_tensors
 from diloco.learner.model_tensors import ModelTensors
 

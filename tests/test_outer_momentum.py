@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner

@@ -1,6 +1,6 @@
 import pytest
 
-from diloco.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide, grace_seconds
+from diloco.algorithm.policy import Averages, MovingAverage, PolicyConfig, RoundState, decide, grace_seconds
 
 LIVE = frozenset({"a", "b", "c"})
 

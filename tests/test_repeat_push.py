@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.cli import add_sync_options, sync_overrides
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
-from diloco.merge import token_weight
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.merge import token_weight
 from diloco.syncer import memory, rounds
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.fragment_state import Contribution

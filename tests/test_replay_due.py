@@ -5,10 +5,10 @@ import json
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.cli import main
 from diloco.config import for_mode
-from diloco.fragments import plan_fragments
+from diloco.algorithm.fragments import plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.replay import replay, wake_up_latency
 from diloco.syncer.tape import Tape, read

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner

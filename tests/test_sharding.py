@@ -4,9 +4,9 @@ import pytest
 import torch
 from liveness import wait_for
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.store import StateError, StateStore
 

@@ -24,10 +24,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from diloco import atomic, codec, exits
+from diloco import atomic, exits
+
+from diloco.algorithm import codec
 from diloco.cli import main
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments, tensor_specs
+from diloco.algorithm.fragments import TensorSpec, plan_fragments, tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.syncer.core import Refused, SyncerCore

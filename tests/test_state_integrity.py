@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diloco import atomic, codec
+from diloco import atomic
+
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.server import ServerOptions, SyncerThread
 from diloco.syncer.state_key import StateKey

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco import atomic
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.state_key import StateKey

@@ -5,11 +5,11 @@ import struct
 import pytest
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.learner.transport import Receiver
-from diloco.outer import delayed_nesterov_step
+from diloco.algorithm.outer import delayed_nesterov_step
 from diloco.syncer.core import Refused, SyncerCore
 from diloco.syncer.downlink import tensor_checksum
 

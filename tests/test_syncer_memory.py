@@ -7,9 +7,9 @@ from dataclasses import fields, is_dataclass, replace
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer import memory
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.updates import UpdateQueue

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.fragments import TensorSpec
+from diloco.algorithm.fragments import TensorSpec
 from diloco.syncer import memory
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.metrics import SyncerMetrics

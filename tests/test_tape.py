@@ -4,10 +4,10 @@ import json
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.cli import main
 from diloco.config import for_mode
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.tape import Tape, read, summarise
 

@@ -5,7 +5,9 @@ import pytest
 import torch
 import zstandard
 
-from diloco import codec, for_mode
+from diloco import for_mode
+
+from diloco.algorithm import codec
 from diloco.wire import compression
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire.messages import Assembler, blobs, push_chunks

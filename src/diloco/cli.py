@@ -77,6 +77,8 @@ def cmd_syncer(args) -> int:
     limit_arenas()  # before any thread allocates (diloco.allocator)
 
     cfg = resolved_sync_config(args)
+    if not 0 <= args.push_buffer < float("inf"):
+        raise UserError(f"--push-buffer must be a share of the model's size, 0 (no bound) or more, got {args.push_buffer}")
     state = args.state
     if state is None:  # a syncer always keeps its final model somewhere it says
         state = default_state_folder()
@@ -93,7 +95,7 @@ def cmd_syncer(args) -> int:
                          state_key=args.state_key,
                          insecure=args.insecure, status_token=args.status_token,
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
-                         exit_when_done=args.exit_when_done,
+                         exit_when_done=args.exit_when_done, push_buffer_share=args.push_buffer,
                          credentials=args.credentials, client_cert_ids=args.client_cert_ids)
     try:
         status = asyncio.run(serve(cfg, opts))
@@ -271,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by default only the learner itself, or one whose stream ended, can take its id)")
     n.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
                    help="seconds the learner uploading the initial model may send nothing before another takes over (60)")
+    n.add_argument("--push-buffer", type=float, default=0.25, metavar="SHARE",
+                   help="payload bytes of pushes the syncer holds at once, as a share of the model's fp32 size "
+                        "(0.25): pushes beyond it wait (never fail), so its memory does not grow with the learners; "
+                        "0: no bound")
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
     b.add_argument("--duration", type=float,

@@ -6,8 +6,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-from diloco.codec import check_codec
-from diloco.policy import PolicyConfig
+from diloco.algorithm.codec import check_codec
+from diloco.algorithm.policy import PolicyConfig
 
 MODES = ("decoupled", "streaming", "diloco", "dp")
 WIRE_COMPRESSIONS = ("none", "zstd")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.learner.transport import HeartbeatNews, JoinInfo, PushJob, Receiver, SyncerError
 from diloco.syncer.core import Refused, SyncerCore
 from diloco.syncer.downlink import Publication

@@ -11,7 +11,7 @@ from diloco import checks, static
 
 # read from the source, not imported: both modules import torch, which `diloco --help` must not wait for
 __version__ = static.constant("diloco", "__version__")
-CODECS = static.constant("diloco.codec", "CODECS")
+CODECS = static.constant("diloco.algorithm.codec", "CODECS")
 MODES = static.constant("diloco.config", "MODES")
 PRESETS = static.constant("diloco.config", "PRESETS")
 WIRE_COMPRESSIONS = static.constant("diloco.config", "WIRE_COMPRESSIONS")

@@ -20,10 +20,10 @@ import time
 
 import grpc
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.ids import InvalidLearnerId, check_learner_id
 from diloco.config import SyncConfig
-from diloco.fragments import TensorSpec
+from diloco.algorithm.fragments import TensorSpec
 from diloco.learner import heap
 from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, Receiver, SyncerError
 from diloco.wire import diloco_pb2 as pb

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from diloco.digest import tensor_digests
-from diloco.fragments import Fragment, TensorSpec, fitted_layout, gather
+from diloco.algorithm.digest import tensor_digests
+from diloco.algorithm.fragments import Fragment, TensorSpec, fitted_layout, gather
 
 
 class InitialValues:

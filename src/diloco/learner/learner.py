@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from diloco.config import SyncConfig
-from diloco.fragments import Fragment, full, plan_fragments, scatter, tensor_specs
+from diloco.algorithm.fragments import Fragment, full, plan_fragments, scatter, tensor_specs
 from diloco.learner.costs import StepCosts
 from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restore_switch_interval
 from diloco.learner.initial import InitialModel
@@ -25,7 +25,7 @@ from diloco.learner.island import Island
 from diloco.learner.model_tensors import ModelTensors, checked_state
 from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, kept_progress, snapshot, to_device
 from diloco.learner.transport import Arrival, PushJob, Receiver, SyncerError, Transport
-from diloco.schedule import due
+from diloco.algorithm.schedule import due
 
 log = logging.getLogger("diloco.learner")
 RESULT_WAIT = 30.0

@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch.nn.modules import module as torch_module
 
-from diloco.fragments import TensorSpec, named_state, unwrap
+from diloco.algorithm.fragments import TensorSpec, named_state, unwrap
 
 
 def checked_state(model: torch.nn.Module, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:

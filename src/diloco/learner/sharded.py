@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from diloco.fragments import TensorSpec
+from diloco.algorithm.fragments import TensorSpec
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.transport import Arrival, JoinInfo, PushJob, Receiver, SyncerError
-from diloco.schedule import leading_position
+from diloco.algorithm.schedule import leading_position
 
 
 class ShardedTransport:

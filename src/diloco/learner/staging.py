@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.learner.costs import PINNED
 
 STAGE_CHUNK = 1 << 20

@@ -10,10 +10,10 @@ from typing import Callable, Protocol
 
 import torch
 
-from diloco import codec
-from diloco.codec import tensor_checksum
+from diloco.algorithm import codec
+from diloco.algorithm.codec import tensor_checksum
 from diloco.config import SyncConfig
-from diloco.fragments import TensorSpec
+from diloco.algorithm.fragments import TensorSpec
 from diloco.learner.costs import PINNED
 from diloco.learner.staging import LiveValues, Snapshot, StagedDelta
 

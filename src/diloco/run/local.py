@@ -104,7 +104,7 @@ def make_plan(args) -> Plan:
     checks.corpus(train, args.learners)  # refused here, not by each of the processes it would have started
     if args.mode != "dp":
         sync = for_mode(args.mode, args.learners, **sync_overrides(args))
-        from diloco.fragments import plan_fragments, tensor_specs
+        from diloco.algorithm.fragments import plan_fragments, tensor_specs
         from diloco.train.model import build_model
 
         plan_fragments(tensor_specs(build_model(train.model, train.seed)), sync.fragments)  # refuse a bad P now

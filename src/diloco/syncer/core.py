@@ -25,12 +25,14 @@ from typing import Callable
 
 import torch
 
-from diloco import codec, ids
+from diloco import ids
+
+from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
-from diloco.merge import StreamingMerge, segment_norms, token_weight
-from diloco.policy import MovingAverage
-from diloco.schedule import leading_position, offset
+from diloco.algorithm.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
+from diloco.algorithm.merge import StreamingMerge, segment_norms, token_weight
+from diloco.algorithm.policy import MovingAverage
+from diloco.algorithm.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer.membership import Membership, Refused, rejoined
 from diloco.syncer.round_timing import RoundTiming

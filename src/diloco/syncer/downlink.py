@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco import codec
-from diloco.codec import tensor_checksum
+from diloco.algorithm import codec
+from diloco.algorithm.codec import tensor_checksum
 from diloco.syncer.ledger import LearnerRecord
 
 WINDOW = 8

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.fragments import Fragment
-from diloco.merge import StreamingMerge
+from diloco.algorithm.fragments import Fragment
+from diloco.algorithm.merge import StreamingMerge
 from diloco.syncer.direction_guard import DirectionGuard
 from diloco.syncer.norm_guard import NormGuard
 

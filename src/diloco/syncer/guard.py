@@ -8,7 +8,7 @@ import inspect
 
 import grpc
 
-from diloco import codec
+from diloco.algorithm import codec
 
 BAD_INPUT = (ValueError, KeyError, IndexError, OverflowError, TypeError, codec.CorruptPayload)
 """What bad input makes the code below raise; each becomes INVALID_ARGUMENT naming it, never UNKNOWN."""

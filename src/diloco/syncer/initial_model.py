@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.fragments import TensorSpec, fitted_layout
+from diloco.algorithm.fragments import TensorSpec, fitted_layout
 
 log = logging.getLogger("diloco.syncer")
 

@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from diloco import codec
-from diloco.digest import fragment_digests
+from diloco.algorithm import codec
+from diloco.algorithm.digest import fragment_digests
 from diloco.syncer import initial_model
 from diloco.syncer.core import Refused
 from diloco.syncer.guard import guarded

@@ -7,7 +7,7 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
-from diloco.policy import MovingAverage
+from diloco.algorithm.policy import MovingAverage
 
 
 def session_hash(secret: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from diloco.policy import Averages
+from diloco.algorithm.policy import Averages
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer.revocation import revoked_message
 

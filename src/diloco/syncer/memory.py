@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers")
+PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers", "receiving")
 
 
 def _nbytes(t) -> int:

@@ -6,7 +6,7 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from diloco.codec import CODECS
+from diloco.algorithm.codec import CODECS
 from diloco.wire.messages import payload_part, wire_size
 
 MAX_REASONS = 32

@@ -11,7 +11,7 @@ import torch
 
 from diloco.atomic import Chunked
 from diloco.config import SyncConfig
-from diloco.fragments import TensorSpec, plan_fragments
+from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.fragment_state import FragmentState
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer.store import Damaged, Loaded, StateError, fragment_version

@@ -3,7 +3,7 @@ open for them) and of phase leads (learners keep their schedules in step). Pure 
 
 from __future__ import annotations
 
-from diloco.schedule import offset
+from diloco.algorithm.schedule import offset
 from diloco.syncer.ledger import LearnerRecord
 
 SIMILAR_SPEED = 1.5

@@ -24,8 +24,8 @@ import statistics
 from dataclasses import dataclass
 
 from diloco.config import SyncConfig
-from diloco.merge import token_weight
-from diloco.policy import Averages, RoundState, decide
+from diloco.algorithm.merge import token_weight
+from diloco.algorithm.policy import Averages, RoundState, decide
 from diloco.syncer.rounds import counted_as
 
 

@@ -7,7 +7,7 @@ the moving averages and the outbox. `poll` and `_close_if_due` run on the worker
 
 from __future__ import annotations
 
-from diloco.policy import Averages, Decision, RoundState, decide
+from diloco.algorithm.policy import Averages, Decision, RoundState, decide
 from diloco.syncer import phase, rounds
 from diloco.syncer.downlink import Publication
 from diloco.syncer.fragment_state import FragmentState

@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.merge import token_weight
-from diloco.outer import outer_update
+from diloco.algorithm.merge import token_weight
+from diloco.algorithm.outer import outer_update
 from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
 from diloco.syncer.norm_guard import MIN_SAMPLES, PRIOR_PER_STEP, fragment_scale

@@ -84,6 +84,9 @@ class ServerOptions:
     """A Join under an id the syncer sees live supersedes that learner even without its session secret."""
     initial_model: Path | None = None
     """A safetensors file with the initial global model (--initial-model): no learner uploads it."""
+    push_buffer_share: float = 0.25
+    """Payload bytes of pushes held at once, as a share of the model's fp32 size; pushes beyond it wait (0: no
+    bound; syncer/push_budget.py)."""
     exit_when_done: bool = False
     """Stop serving once the budget (token_budget, duration) is spent and no learner is live any more: each heard
     the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
@@ -231,7 +234,7 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
     service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout,
                             allow_takeover=opts.allow_takeover, initial_model=initial,
                             credentials=Credentials.load(opts.credentials) if opts.credentials else None,
-                            client_cert_ids=opts.client_cert_ids)
+                            client_cert_ids=opts.client_cert_ids, push_buffer_share=opts.push_buffer_share)
     if on_service:
         on_service(service)
     watch = None

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc.aio import AbortError
 
-from diloco import codec
-from diloco.digest import check_held, held_fragments
+from diloco.algorithm import codec
+from diloco.algorithm.digest import check_held, held_fragments
 from diloco.syncer import memory
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
 from diloco.syncer.downlink import Publication, for_current_session
@@ -35,6 +35,7 @@ from diloco.syncer.initial_model import InitialModelFile
 from diloco.syncer.initial_upload import IDLE, InitialUpload
 from diloco.syncer.join_refusals import JoinRefusals
 from diloco.syncer.ledger import NOBODY, LearnerRecord, session_hash
+from diloco.syncer.push_budget import PushBudget
 from diloco.syncer.revocation import revoke, revoked_message
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
@@ -58,15 +59,18 @@ ABSENCE_CHECK_SECONDS = 0.5
 class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
                  allow_takeover: bool = False, initial_model: InitialModelFile | None = None, credentials=None,
-                 client_cert_ids: bool = False):
+                 client_cert_ids: bool = False, push_buffer_share: float = 0.25):
         """`stall_timeout`: seconds the learner uploading the initial model may send nothing before another joiner
         takes the upload over; also how long any client stream (Init, Push) may send nothing before it is ended.
         `allow_takeover`: a Join under a live id supersedes it without that learner's session secret.
         `initial_model`: the initial global model from a file (--initial-model): no learner uploads it.
         `credentials`: per-learner credentials (`syncer.credentials.Credentials`, --credentials): a listed id joins
         with its own token only. `client_cert_ids`: under mutual TLS, a learner's client certificate names its id
-        (its common name) and is its credential."""
+        (its common name) and is its credential. `push_buffer_share`: payload bytes of pushes held at once, as a share
+        of the model's fp32 size (0: no bound; syncer/push_budget.py)."""
         self.core = core
+        self.push_buffer_share = push_buffer_share
+        self.push_budget = PushBudget()
         self.credentials = credentials
         self.client_cert_ids = client_cert_ids
         self.heartbeats = HeartbeatBudget()
@@ -130,6 +134,13 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             raise ShuttingDown(str(e)) from None
         return await future
 
+    def _push_bytes(self) -> PushBudget:
+        """The push budget, its limit set from the model's size once there is a model."""
+        if self.push_budget.limit is None and self.push_buffer_share > 0 and self.core.initialized:
+            model_bytes = 4 * sum(fs.fragment.numel for fs in self.core.fragments)
+            self.push_budget.set_limit(self.push_buffer_share * model_bytes)
+        return self.push_budget
+
     def core_queue_depth(self) -> int:
         """Calls waiting for the core worker (not counting the one it runs)."""
         return max(0, self._submitted - self._started)
@@ -143,6 +154,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         """Bytes the syncer holds by part (`syncer.memory`), and its RSS."""
         parts = memory.core_parts(self.core)
         parts["queued_answers"] = memory.queued_bytes(self._queues.values(), memory.kept_change_ids(self.core))
+        parts["receiving"] = self.push_budget.held
         return {**parts, "rss": memory.rss_bytes()}
 
     async def status(self) -> dict:
@@ -455,13 +467,16 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
     async def Push(self, request_iterator, context):
         chunks = self._chunks(request_iterator, context)
         held: list[str] = []
+        granted: list[int] = []
         try:
-            return await self._push(chunks, context, held)
+            return await self._push(chunks, context, held, granted)
         finally:
             for learner_id in held:
                 self._push_streams[learner_id] -= 1
                 if not self._push_streams[learner_id]:
                     del self._push_streams[learner_id]
+            for size in granted:
+                await self.push_budget.release(size)
             await chunks.aclose()  # a read still pending ends with the stream
 
     async def _hold_push_stream(self, context, learner_id: str, held: list[str]) -> None:
@@ -472,7 +487,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         self._push_streams[learner_id] = self._push_streams.get(learner_id, 0) + 1
         held.append(learner_id)
 
-    async def _push(self, chunks, context, held: list[str]):
+    async def _push(self, chunks, context, held: list[str], granted: list[int]):
         started = time.monotonic()
         header, parts, received = None, [], 0
         async for chunk in chunks:
@@ -485,6 +500,7 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
                 await self._admit_push(chunk.header, context)
                 await self._hold_push_stream(context, chunk.header.learner_id, held)
                 header = chunk.header
+                granted.append(await self._push_bytes().acquire(header.total_bytes))  # before its data is read
             elif header is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push data before its header")
             else:

@@ -12,7 +12,7 @@ import weakref
 
 import zstandard
 
-from diloco import codec
+from diloco.algorithm import codec
 from diloco.config import WIRE_COMPRESSIONS as METHODS
 LEVEL = 3
 """zstd's default level: 400–900 MB/s here on int4 payloads, within a percent of level 9's ratio."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from diloco import codec
-from diloco.fragments import KINDS, TensorSpec
+from diloco.algorithm import codec
+from diloco.algorithm.fragments import KINDS, TensorSpec
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire.compression import pack, unpack
 

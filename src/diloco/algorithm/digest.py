@@ -13,7 +13,7 @@ from typing import Iterable
 
 import torch
 
-from diloco.fragments import Fragment, TensorSpec, full
+from diloco.algorithm.fragments import Fragment, TensorSpec, full
 
 DIGEST_BYTES = 16
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from diloco.codec import decode, decoded_chunks
+from diloco.algorithm.codec import decode, decoded_chunks
 
 _EPS = 1e-12
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-log = logging.getLogger("diloco.fragments")
+log = logging.getLogger("diloco.algorithm.fragments")
 
 
 KINDS = ("param", "buffer", "static", "alias")
