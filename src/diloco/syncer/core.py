@@ -36,7 +36,7 @@ from diloco.algorithm.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer.membership import Membership, Refused, rejoined
 from diloco.syncer.round_timing import RoundTiming
-from diloco.syncer import downlink, persistence, phase, rounds
+from diloco.syncer import downlink, persistence, phase, repeat_push, rounds
 from diloco.syncer.buffers import Buffers
 from diloco.syncer.direction_guard import DirectionGuard
 from diloco.syncer.downlink import Publication
@@ -287,6 +287,12 @@ class SyncerCore(Membership, RoundTiming):
             self.record_event("refusal", learner=learner_id, fragment=fragment, seq=seq, reason=result.reason)
         return result
 
+    @property
+    def repeat(self) -> repeat_push.Close:
+        """What a push from a learner already in the round does (syncer/repeat_push.py); a restored state may bring
+        its own settings."""
+        return repeat_push.policy(self.cfg.repeat_push)
+
     def record_event(self, kind: str, **fields) -> None:
         """One event to the metrics (`on_event`) and the tape, if either is attached."""
         if self.on_event is not None:
@@ -309,10 +315,7 @@ class SyncerCore(Membership, RoundTiming):
             pending = self.fragments[fragment].pending.get(learner_id) if 0 <= fragment < len(self.fragments) else None
             if pending is not None and (pending.session, pending.seq) == (session, seq):
                 return PushResult(True, "duplicate push ignored", duplicate=True)
-            if self.cfg.repeat_push == "replace" and pending is not None and pending.session == session \
-                    and seq < pending.seq:
-                # a re-sent push that a newer one of its session replaced in the round: taking it back in would count
-                # the progress both carry twice
+            if self.repeat.superseded(pending, session, seq):  # syncer/repeat_push.py
                 return PushResult(True, "superseded push ignored", duplicate=True)
             arrived = self.clock()
         try:
@@ -345,7 +348,7 @@ class SyncerCore(Membership, RoundTiming):
             # with repeat_push replace, a push from a learner already in the round takes its place: counted for its
             # own counters plus those of the replaced push they do not cover (rounds.earlier_counters), bounded below
             # like any push's; the guard and the clip above judged this push's Δ by its own steps alone
-            older = fs.pending.get(learner_id) if self.cfg.repeat_push == "replace" else None
+            older = self.repeat.replaced(fs, learner_id)
             earlier = rounds.earlier_counters(older, session, base_version, steps, tokens) if older else (0, 0)
             steps, tokens = steps + earlier[0], tokens + earlier[1]
             declared = counted = rounds.counted_as(tokens, steps, self.cfg)
@@ -408,18 +411,13 @@ class SyncerCore(Membership, RoundTiming):
         c.direction, c.cosine = direction, cosine
         weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay) * direction
         try:
-            if self.cfg.repeat_push == "replace":
-                self._keep_and_fold(fs, method, learner_id, delta, weight, norms, rebuild=older is not None)
-            else:
-                fs.merging.add(delta, weight, norms, payload)
+            self.repeat.fold(self.buffers, fs, method, learner_id, delta, weight, norms, payload, older is not None)
         except (ArithmeticError, RuntimeError, ValueError) as e:
             # the sums may be half updated: the round is dropped when it closes (rounds.close), never published
             fs.merging.failed = f"{type(e).__name__}: {e}"
             with self.lock:
                 fs.pending[learner_id] = c
             return PushResult(False, f"merge error: {fs.merging.failed}; its round is dropped", resync=True)
-        if self.cfg.repeat_push != "replace" and fs.merging.sum is not delta:
-            self.buffers.give(delta)  # folded in, or kept encoded as the round's first: free for the next push
         with self.lock:
             fs.pending[learner_id] = c
             if fs.opened_at is None:
@@ -428,33 +426,6 @@ class SyncerCore(Membership, RoundTiming):
                 avg = self.averages()
                 self._note_quorum(fs, *self._decide(fragment, fs, self.live(), avg, arrived), avg)
         return PushResult(True)
-
-    def _keep_and_fold(self, fs: FragmentState, method: str, learner_id: str, delta: torch.Tensor, weight: float,
-                       norms: list[float] | None, rebuild: bool) -> None:
-        """repeat_push replace: keep `delta` as the learner's pending Δ (replacing its earlier one, whose buffer goes
-        back) and fold a copy of it into the round's sums; `rebuild`: it replaces an earlier push, so the sums are
-        made anew from every kept Δ (folding the earlier one out would subtract float sums)."""
-        earlier = fs.kept.get(learner_id)
-        fs.kept[learner_id] = (delta, weight, norms)
-        if earlier is not None:
-            self.buffers.give(earlier[0])
-        if not rebuild:
-            self._fold_copy(fs.merging, delta, weight, norms)
-            return
-        old = fs.merging
-        fs.merging = StreamingMerge(old.segments, method, self.buffers, old.mean_fallback)
-        self.buffers.give(old.sum)  # the running sums, made of copies (never a kept Δ)
-        self.buffers.give(old.units)
-        for kept, w, n in fs.kept.values():
-            self._fold_copy(fs.merging, kept, w, n)
-
-    def _fold_copy(self, merging: StreamingMerge, delta: torch.Tensor, weight: float, norms: list[float] | None) -> None:
-        """Fold a copy of a kept Δ into `merging`, which may take the copy over as its running sum."""
-        work = self.buffers.take(delta.numel())
-        work.copy_(delta)
-        merging.add(work, weight, norms)
-        if merging.sum is not work:
-            self.buffers.give(work)
 
     def _refuse(self, record: LearnerRecord, delta: torch.Tensor, reason: str, message: str) -> PushResult:
         """Refuse a decoded contribution (the lock held): its buffer back, the refusal counted, a resync."""
