@@ -7,7 +7,7 @@ import time
 import pytest
 
 from diloco.baselines.dp import latest_checkpoint, ring_allreduce_bytes
-from diloco.baselines.launch import run_dp
+from diloco.run.dp_launch import run_dp
 from diloco.cli import build_parser
 from diloco.run.local import Progress, RunFailed, make_plan
 from diloco.run.report import build_report, read_metrics

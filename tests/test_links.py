@@ -112,7 +112,7 @@ def test_learners_behind_links_reach_every_syncer_shard_through_proxies_of_their
 def test_dp_workers_rendezvous_on_worker_0s_address_and_put_gloo_on_their_link(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from diloco.baselines import launch
+    from diloco.run import dp_launch as launch
 
     started = []
     monkeypatch.setattr(launch, "spawn", lambda cmd, log, env=None: started.append((cmd, env)))

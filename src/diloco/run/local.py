@@ -322,7 +322,7 @@ def run_local(args) -> int:
                 progress.console.print(f"each {'worker' if plan.mode == 'dp' else 'learner'} behind its own link of "
                                        f"{link_text(plan)}: namespaces {links.links[0].namespace[:-2]}-*")
             if plan.mode == "dp":
-                from diloco.baselines.launch import run_dp
+                from diloco.run.dp_launch import run_dp
 
                 learners, source = run_dp(plan, progress, on_tick=_dp_injector(plan) if plan.faults else None,
                                           links=links)
