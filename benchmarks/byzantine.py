@@ -25,8 +25,8 @@ built-in model on real data like the others and changes what it sends:
 Each run gets the same per-learner step budget (`--steps`), so the honest learners do the same work whatever the
 fourth sends; the table gives each run's final held-out loss against the all-honest run's, and against three honest
 learners alone (`--learners 3`, what ignoring the fourth perfectly would give). The defences are the syncer's flags:
-pass `--syncer-flags "--clip-norm-ratio 0"` to run without the robust merge, `--syncer-flags "--direction-floor 0.25"` to
-add the direction test, `--syncer-flags "--preset paper"` to see what the published algorithm alone does.
+pass `--syncer-flags "--clip-norm-ratio 0"` to run without the robust merge, `--syncer-flags "--direction-floor 0"` to
+run without the direction test, `--syncer-flags "--preset paper"` to see what the published algorithm alone does.
 """
 
 from __future__ import annotations

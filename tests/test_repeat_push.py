@@ -219,7 +219,8 @@ def test_repeating_a_push_gains_no_weight_and_no_tokens():
 
 
 def test_a_replacement_is_clipped_like_any_push():
-    core, clock, s = hostile_core(outer_momentum=0.0, outer_lr=1.0)
+    # the clip alone: the direction test (on by default) would merge these flips with no weight at all
+    core, clock, s = hostile_core(outer_momentum=0.0, outer_lr=1.0, direction_floor=0.0)
     typical = core.fragments[1].guard.accepted.reference("mallory")
     before = core.fragments[1].outer_values().clone()
     assert push(core, "mallory", s["mallory"], 1, torch.full((6,), -0.5), H, 600).accepted  # clipped

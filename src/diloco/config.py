@@ -157,16 +157,18 @@ class SyncConfig:
     of one credential do not move the reference. At 4 (the earlier default) one learner in four pushing noise, or
     noise with a component along its own Δ, still cost +8.9% and +35.7% of the final loss; at 2, +2.3% and +2.1%,
     within the noise of ignoring that learner, for −0.005, −0.016 and +0.033 nats on honest runs of three seeds."""
-    direction_floor: float = 0.0
-    """Ours, the direction test (0: off). Merge a parameter contribution with its Δ and weight scaled by
-    c / (this × typical), at most 1 and at least 0: c is the median of its credential's recent cosines with the
-    fragment's recent published steps (a decaying sum of them, kept in bf16: half a model more syncer memory), this
-    one included, and typical the median over other credentials of theirs. A learner pushing sign-flipped (c < 0)
-    or random (c ≈ 0) outer gradients is merged with (near) no weight; an honest step that points back now and
-    then keeps its weight. Everything passes until the reference took in two rounds with contributors of three
-    credentials, and while the others' typical cosine is under 0.1 (syncer/direction_guard.py). Measured
-    (docs/results.md, "Hostile learners"): a sign flip went from +6.2% to +0.4% of an honest run's final loss and
-    noise from +8.9% to −0.8%, for +0.017 nats on honest runs; off by default."""
+    direction_floor: float = 0.25
+    """Ours, the direction test (0: off; on by measurement). Merge a parameter contribution with its Δ and weight
+    scaled by c / (this × typical), at most 1 and at least 0: c is the median of its credential's recent cosines
+    with the fragment's recent published steps (a decaying sum of them, kept in bf16: half a model more syncer
+    memory), this one included, and typical the median over other credentials of theirs. A learner pushing
+    sign-flipped (c < 0) or random (c ≈ 0) outer gradients is merged with (near) no weight; an honest step that
+    points back now and then keeps its weight. Everything passes until the reference took in two rounds with
+    contributors of three credentials, and while the others' typical cosine is under 0.1
+    (syncer/direction_guard.py). Measured at the clip of 2 (docs/results.md, "Hostile learners"; one learner in
+    four hostile, three seeds): a sign flip +3.3% → +0.3% of an honest run's final loss, inner-product
+    manipulation +10.3% → +2.8%, flips on two pushes in five +6.8% → +3.3%; on honest runs +0.013, −0.005 and
+    −0.003 nats (two runs of one setting differed by 0.005–0.015), so it is on by default."""
     max_counter_ratio: float = 4.0
     """Ours (0: off). Count a contribution's declared tokens per step as at most this multiple of what other
     credentials' accepted contributions typically declare, and its tokens as at most this multiple of their H
