@@ -51,7 +51,7 @@ def main(address: str, out: str, expected: str, steps: int = 24) -> None:
                        "tokens": learner.tokens}, f)
     # freed only at interpreter exit, the FSDP2 model and its optimizer took gloo down with them in about one run
     # of five ("terminate called without an active exception", after the result was written); freed here, none of
-    # ten did (docs/architecture.md, Troubleshooting)
+    # ten did (docs/operations.md, Troubleshooting)
     del learner, optimizer, model
     gc.collect()
     dist.destroy_process_group()
