@@ -3,8 +3,6 @@
 import socket
 
 import pytest
-import torch
-from torch import nn
 
 from diloco.cli import main
 from diloco.config import for_mode
@@ -12,6 +10,7 @@ from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
 from diloco.syncer.server import ServerOptions, SyncerThread
+from fakes import TinyNet
 
 
 def run_cli(capsys, *argv):
@@ -64,20 +63,12 @@ def test_unreachable_syncer_retries_then_says_what_to_do(capsys):
     assert "cannot reach the syncer" in err and "attempts" in err and "diloco syncer --listen" in err
 
 
-class Net(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(8, 4)
-        self.lin = nn.Linear(4, width)
-
-
 def test_model_mismatch_over_grpc_names_the_first_differing_tensor():
     syncer = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4), ServerOptions(listen="127.0.0.1:0", http=None))
     try:
-        first = Learner(Net(3), GrpcTransport(syncer.address), "a")
+        first = Learner(TinyNet(3), GrpcTransport(syncer.address), "a")
         with pytest.raises(SyncerError, match=r"model mismatch \(tensor #1: expected lin.weight \[3, 4\] float32, got lin.weight \[5, 4\]"):
-            Learner(Net(5), GrpcTransport(syncer.address, connect_timeout=5), "b")
+            Learner(TinyNet(5), GrpcTransport(syncer.address, connect_timeout=5), "b")
         first.close()
     finally:
         syncer.stop()

@@ -14,19 +14,12 @@ from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.direction_guard import DirectionGuard
 from diloco.syncer.replay import replay
+from fakes import Clock
 
 SPECS = [TensorSpec("emb", (8, 4), "float32", True), TensorSpec("w1", (64, 64), "float32"),
          TensorSpec("w2", (64,), "float32"), TensorSpec("w3", (64, 64), "float32")]
 H = 6
 F = 2  # a 4096-value fragment: noise has a cosine of about 1/64 with anything
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_core(**overrides):

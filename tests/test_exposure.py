@@ -10,12 +10,10 @@ import time
 import urllib.request
 
 import pytest
-import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from torch import nn
 
 from diloco.cli import main
 from diloco.config import for_mode
@@ -27,6 +25,7 @@ from diloco.syncer.http import http_authorized, status_json
 from diloco.syncer.server import ServerOptions, SyncerThread, exposure_problems
 from diloco.wire.tls import is_loopback, plaintext_token_problem
 from test_tls import issue, write
+from fakes import TinyNet
 
 
 def run_cli(capsys, *argv):
@@ -104,20 +103,12 @@ def test_status_is_strict_json_without_session_ids():
     assert "session" not in body and "0123456789abcdef" not in body
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(8, 4)
-        self.lin = nn.Linear(4, 4)
-
-
 def test_live_status_has_no_session_and_slow_http_clients_are_dropped(monkeypatch):
     monkeypatch.setattr(syncer_http, "HTTP_TIMEOUT", 0.5)
     syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
                           ServerOptions(listen="127.0.0.1:0", http="127.0.0.1:0", token="s3cret"))
     try:
-        learner = Learner(Net(), GrpcTransport(syncer.address, token="s3cret"), "a")
+        learner = Learner(TinyNet(), GrpcTransport(syncer.address, token="s3cret"), "a")
         session = learner.transport.session
         port = syncer.status["http_port"]
         deadline = time.monotonic() + 60  # a loaded machine can be far slower than usual
@@ -189,7 +180,7 @@ def test_tls_mismatch_is_reported_as_a_tls_problem_at_once(pki, case, expected):
         ca = pki["other"] if case == "wrong ca" else pki["ca"]
         started = time.monotonic()
         with pytest.raises(SyncerError, match="TLS handshake with the syncer") as e:
-            Learner(Net(), GrpcTransport(syncer.address, tls_ca=ca, connect_timeout=20), "a")
+            Learner(TinyNet(), GrpcTransport(syncer.address, tls_ca=ca, connect_timeout=20), "a")
         assert expected in str(e.value) and "cannot reach" not in str(e.value)
         assert time.monotonic() - started < 10  # not retried for connect_timeout: retrying cannot fix it
     finally:
@@ -200,6 +191,6 @@ def test_plaintext_learner_against_tls_syncer_says_tls(pki):
     syncer = tls_syncer(pki["server"])
     try:
         with pytest.raises(SyncerError, match="TLS problem: if the syncer uses TLS, pass --tls-ca"):
-            Learner(Net(), GrpcTransport(syncer.address, connect_timeout=1.0), "a")
+            Learner(TinyNet(), GrpcTransport(syncer.address, connect_timeout=1.0), "a")
     finally:
         syncer.stop()

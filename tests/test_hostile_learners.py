@@ -13,17 +13,10 @@ from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.algorithm.merge import StreamingMerge, merge
 from diloco.syncer import rounds
 from diloco.syncer.core import SyncerCore
+from fakes import Clock
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 H = 6
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_core(**overrides):

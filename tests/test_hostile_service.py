@@ -14,7 +14,6 @@ import grpc
 import pytest
 import torch
 import zstandard
-from torch import nn
 
 from diloco.algorithm import codec
 from diloco.config import for_mode
@@ -31,18 +30,11 @@ from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import specs_to_proto
 from liveness import wait_for
+from fakes import TinyNet
 
 TOKEN = "s3cret"
 U64_MAX = 2**64 - 1
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(8, 4)  # fragment 0: 32 values
-        self.lin = nn.Linear(4, 4)  # fragment 1: 20 values
 
 
 NUMEL = {0: 32, 1: 20}
@@ -53,7 +45,7 @@ def start(stall_timeout=1.0, learners=2, initialise=True):
     syncer = SyncerThread(for_mode("decoupled", learners, fragments=2, sync_every=4),
                           ServerOptions(listen="127.0.0.1:0", http=None, token=TOKEN, stall_timeout=stall_timeout))
     if initialise:
-        Learner(Net(), GrpcTransport(syncer.address, token=TOKEN), "first").close()
+        Learner(TinyNet(), GrpcTransport(syncer.address, token=TOKEN), "first").close()
     return syncer
 
 
@@ -62,7 +54,7 @@ def stub(address):
 
 
 def raw_join(address, learner_id, token=TOKEN) -> str:
-    request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(tensor_specs(Net())), token=token)
+    request = pb.JoinRequest(learner_id=learner_id, specs=specs_to_proto(tensor_specs(TinyNet())), token=token)
     replies = list(stub(address).Join(request, timeout=10))
     return replies[0].header.session
 
@@ -89,7 +81,7 @@ class Honest:
     """A learner training in a thread on the real model, as a real user would."""
 
     def __init__(self, address):
-        self.model = Net()
+        self.model = TinyNet()
         self.learner = Learner(self.model, GrpcTransport(address, token=TOKEN), "honest")
         self.stop = threading.Event()
         self.steps = 0
@@ -183,7 +175,7 @@ def fuzz_heartbeat(rng, address, session, values):
 
 def fuzz_join(rng, address, values):
     _, _, _, strings, _ = values
-    specs = specs_to_proto(tensor_specs(Net()))
+    specs = specs_to_proto(tensor_specs(TinyNet()))
     if rng.random() < 0.3:
         specs = [pb.TensorSpec(name=rng.choice(strings + ["y" * 30000]), shape=[rng.choice([0, 1, -1, 2**62, 2**63 - 1])],
                                dtype=rng.choice(["float32", "", "x" * 300]), kind=rng.choice(["", "param", "odd"]))]
@@ -367,7 +359,7 @@ def test_a_20kb_learner_id_is_invalid_not_unreachable(syncer):
     code, details = code_of(lambda: raw_join(syncer.address, "x" * 20000))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "invalid learner id" in details and len(details) < 500
     with pytest.raises(SyncerError, match="invalid learner id") as e:
-        Learner(Net(), GrpcTransport(syncer.address, token=TOKEN, connect_timeout=2), "x" * 20000)
+        Learner(TinyNet(), GrpcTransport(syncer.address, token=TOKEN, connect_timeout=2), "x" * 20000)
     assert "cannot reach" not in str(e.value) and len(str(e.value)) < 500
 
 
@@ -438,7 +430,7 @@ def test_idle_init_without_a_model_is_ended():
     syncer = start(stall_timeout=0.2, initialise=False)
     try:
         started = time.monotonic()
-        request = pb.JoinRequest(learner_id="m", token=TOKEN, specs=specs_to_proto(tensor_specs(Net())))
+        request = pb.JoinRequest(learner_id="m", token=TOKEN, specs=specs_to_proto(tensor_specs(TinyNet())))
         list(stub(syncer.address).Join(request, timeout=10))  # takes the upload lease
         code, details = code_of(lambda: stub(syncer.address).Init(slow_stream(pb.InitChunk(request=request), wait=30),
                                                                   timeout=40))
@@ -504,7 +496,7 @@ def test_float_fields_and_fragments():
 def test_initial_upload_larger_than_its_specs_is_refused():
     syncer = start(initialise=False)
     try:
-        request = pb.JoinRequest(learner_id="m", token=TOKEN, specs=specs_to_proto(tensor_specs(Net())))
+        request = pb.JoinRequest(learner_id="m", token=TOKEN, specs=specs_to_proto(tensor_specs(TinyNet())))
         list(stub(syncer.address).Join(request, timeout=10))  # takes the upload lease
         blob = pb.Blob(fragment=0, codec="fp32", numel=2**40, total_bytes=2**42, data=b"x" * 1024)
         code, details = code_of(lambda: stub(syncer.address).Init(

@@ -19,18 +19,11 @@ from diloco.syncer.core import SyncerCore
 from diloco.syncer.fragment_state import Contribution
 from diloco.syncer.replay import replay
 from diloco.syncer.tape import Tape, read
+from fakes import Clock
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 H = 6
 LR, MU = 0.7, 0.9
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_core(repeat_push: str, learners: int = 2, **overrides):

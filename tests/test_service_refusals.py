@@ -3,7 +3,6 @@
 import grpc
 import pytest
 import torch
-from torch import nn
 
 from diloco.algorithm import codec
 from diloco.config import for_mode
@@ -13,14 +12,7 @@ from diloco.learner.transport import SyncerError
 from diloco.syncer.server import ServerOptions, SyncerThread
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(8, 4)
-        self.lin = nn.Linear(4, 4)
+from fakes import TinyNet
 
 
 @pytest.fixture
@@ -33,12 +25,12 @@ def syncer():
 
 def test_wrong_token_is_refused(syncer):
     with pytest.raises(SyncerError, match="wrong or missing run token"):
-        Learner(Net(), GrpcTransport(syncer.address, token="guess"), "a")
+        Learner(TinyNet(), GrpcTransport(syncer.address, token="guess"), "a")
 
 
 def test_invalid_learner_id_is_refused(syncer):
     with pytest.raises(SyncerError, match="invalid learner id"):
-        Learner(Net(), GrpcTransport(syncer.address, token="s3cret"), "../etc")
+        Learner(TinyNet(), GrpcTransport(syncer.address, token="s3cret"), "../etc")
 
 
 def push_raw(address, messages):
@@ -47,7 +39,7 @@ def push_raw(address, messages):
 
 
 def test_oversized_or_headerless_push_is_refused_before_buffering(syncer):
-    learner = Learner(Net(), GrpcTransport(syncer.address, token="s3cret"), "a")
+    learner = Learner(TinyNet(), GrpcTransport(syncer.address, token="s3cret"), "a")
     session = learner.transport.session
     header = pb.PushHeader(learner_id="a", session=session, seq=99, fragment=1, base_version=0, steps=1, tokens=1,
                            codec="int4", numel=20, total_bytes=1 << 30, checksum=0)

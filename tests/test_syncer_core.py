@@ -12,16 +12,9 @@ from diloco.learner.transport import Receiver
 from diloco.algorithm.outer import delayed_nesterov_step
 from diloco.syncer.core import Refused, SyncerCore
 from diloco.syncer.downlink import tensor_checksum
+from fakes import Clock
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_core(learners=2, specs=SPECS, **overrides):

@@ -10,6 +10,7 @@ from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.tape import Tape, read, summarise
+from fakes import Clock
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 
@@ -67,14 +68,6 @@ def test_round_events_feed_participation_staleness_and_round_time_metrics():
     assert "diloco_round_contributors_count 1.0" in text and "diloco_round_contributors_sum 2.0" in text
     assert "diloco_contribution_staleness_sum 3.0" in text and "diloco_round_open_seconds_sum 0.4" in text
     assert "diloco_round_quorum_seconds_count 1.0" in text
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_replay_reproduces_every_round_decision_and_weight_and_finds_a_changed_policy(tmp_path, capsys):

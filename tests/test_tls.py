@@ -9,13 +9,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from torch import nn
 
 from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
 from diloco.syncer.server import ServerOptions, SyncerThread
+from fakes import TinyNet
 
 
 def issue(name, issuer_key=None, issuer_name=None, ca=False):
@@ -50,14 +50,6 @@ def pki(tmp_path_factory):
     return {"ca": ca, "server": server, "client": client}
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(8, 4)
-        self.lin = nn.Linear(4, 4)
-
-
 def start(pki, mutual=False):
     cert, key = pki["server"]
     return SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
@@ -68,7 +60,7 @@ def start(pki, mutual=False):
 def test_tls_learner_trains_against_a_tls_syncer(pki):
     syncer = start(pki)
     try:
-        model = Net()
+        model = TinyNet()
         learner = Learner(model, GrpcTransport(syncer.address, tls_ca=pki["ca"]), "a")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(8):
@@ -86,7 +78,7 @@ def test_plaintext_learner_is_told_about_tls(pki):
     syncer = start(pki)
     try:
         with pytest.raises(SyncerError, match="if the syncer uses TLS, pass --tls-ca"):
-            Learner(Net(), GrpcTransport(syncer.address, connect_timeout=1.0), "a")
+            Learner(TinyNet(), GrpcTransport(syncer.address, connect_timeout=1.0), "a")
     finally:
         syncer.stop()
 
@@ -95,9 +87,9 @@ def test_mutual_tls_requires_a_client_certificate(pki):
     syncer = start(pki, mutual=True)
     try:
         with pytest.raises(SyncerError, match="cannot reach"):
-            Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], connect_timeout=1.0), "a")
+            Learner(TinyNet(), GrpcTransport(syncer.address, tls_ca=pki["ca"], connect_timeout=1.0), "a")
         cert, key = pki["client"]
-        learner = Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=cert, tls_key=key), "b")
+        learner = Learner(TinyNet(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=cert, tls_key=key), "b")
         learner.close()
     finally:
         syncer.stop()
@@ -118,12 +110,12 @@ def test_a_client_certificate_proves_one_learner_id(pki, tmp_path):
     try:
         client_cert, client_key = pki["client"]  # its common name is "learner"
         with pytest.raises(SyncerError, match="is not the one its client certificate names"):
-            Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert, tls_key=client_key,
+            Learner(TinyNet(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert, tls_key=client_key,
                                          connect_timeout=5), "someone-else")
-        first = Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert,
+        first = Learner(TinyNet(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert,
                                              tls_key=client_key), "learner")
         # the certificate is the credential: a restart reclaims the id while the first session still looks live
-        again = Learner(Net(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert,
+        again = Learner(TinyNet(), GrpcTransport(syncer.address, tls_ca=pki["ca"], tls_cert=client_cert,
                                              tls_key=client_key, connect_timeout=10), "learner")
         again.close()
         first.close()
