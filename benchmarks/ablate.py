@@ -148,7 +148,7 @@ def main() -> None:
     if args.pace is None:
         from diloco.run.local import TINY
         from diloco.run.pacing import auto_pace
-        from diloco.train.config import TrainConfig
+        from diloco.train.train_config import TrainConfig
 
         train = TrainConfig(model=TINY) if args.model == "tiny" else TrainConfig()
         args.pace = auto_pace(train, 5)

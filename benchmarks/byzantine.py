@@ -137,7 +137,7 @@ def run_hostile(args) -> int:
     """The fourth learner: the built-in trainer over a hostile transport."""
     import torch
 
-    from diloco.train.config import TrainConfig
+    from diloco.train.train_config import TrainConfig
     from diloco.train.loop import WorkerOptions, run_learner, train_config_from_json
 
     torch.set_num_threads(1)

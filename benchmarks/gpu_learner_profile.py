@@ -28,7 +28,7 @@ from gpu_setup import Replica, Setup, model_configs, sync  # noqa: E402
 from learner_overhead import SyncerProcess, join_deadlines  # noqa: E402
 
 from diloco import GrpcTransport, Learner  # noqa: E402
-from diloco.train.config import TrainConfig  # noqa: E402
+from diloco.train.train_config import TrainConfig  # noqa: E402
 from provenance import stamped  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from diloco.train.config import ModelConfig
+from diloco.train.train_config import ModelConfig
 from diloco.train.model import count_parameters
 from gpu_setup import OVERHEAD_GOAL, Replica, Setup, sync
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from diloco.train.config import lr_at
+from diloco.train.train_config import lr_at
 from diloco.train.data import ShardSampler
 from diloco.train.model import build_model
 from gpu_setup import PART_SHARES, PUBLISHED_GAP, Replica, Setup, heldout_loss, sync

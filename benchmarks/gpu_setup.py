@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco.train.config import ModelConfig, TrainConfig
+from diloco.train.train_config import ModelConfig, TrainConfig
 from diloco.train.model import build_model
 
 PUBLISHED_GAP = {2: {"35M": 0.023, "180M": 0.007}, 4: {"35M": 0.069, "180M": 0.031}}

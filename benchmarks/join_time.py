@@ -24,7 +24,7 @@ import torch
 
 from diloco import GrpcTransport, Learner
 from diloco.chaos import LinkFaults, ProxyThread
-from diloco.chaos.cli import parse_rate
+from diloco.chaos.proxy_command import parse_rate
 from learner_overhead import SyncerProcess  # the syncer in its own process (benchmarks/ is on sys.path)
 from provenance import stamped
 

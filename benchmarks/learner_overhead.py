@@ -94,7 +94,7 @@ def build(name: str) -> tuple[torch.nn.Module, int, Callable[[torch.Tensor], tor
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config())
         return model, model.config.vocab_size, lambda rows: model(input_ids=rows[:, :-1], labels=rows[:, :-1]).loss
-    from diloco.train.config import ModelConfig
+    from diloco.train.train_config import ModelConfig
     from diloco.train.model import build_model
 
     model = build_model(ModelConfig(), seed=0)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the pack
 
 from diloco.algorithm.fragments import plan_fragments, tensor_specs  # noqa: E402
 from diloco.learner.model_tensors import ModelTensors, checked_state  # noqa: E402
-from diloco.train.config import ModelConfig  # noqa: E402
+from diloco.train.train_config import ModelConfig  # noqa: E402
 from diloco.train.model import build_model  # noqa: E402
 
 MODELS = {"35m": ModelConfig(vocab_size=32768, seq_len=512, d_model=512, n_layers=6, n_heads=8),

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from diloco.run.local import TINY
-from diloco.train.config import TrainConfig, lr_at
+from diloco.train.train_config import TrainConfig, lr_at
 from diloco.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from diloco.train.model import build_model
 from provenance import stamped

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # sibling scripts: gpu_*.py, corpus.py
 sys.path.insert(0, str(HERE.parent / "src"))  # the package, where it is not installed
 
-from diloco.train.config import ModelConfig  # noqa: E402
+from diloco.train.train_config import ModelConfig  # noqa: E402
 from diloco.train.data import eval_batches  # noqa: E402
 from gpu_runs import run_decoupled, run_dp  # noqa: E402
 from gpu_setup import Setup, load_corpus, train_config  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 from diloco.algorithm import codec
 from diloco.run.local import TINY
-from diloco.train.config import TrainConfig, make_inner_optimizer
+from diloco.train.train_config import TrainConfig, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler
 from diloco.train.model import build_model
 from provenance import stamped

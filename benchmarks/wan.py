@@ -404,7 +404,7 @@ def main() -> int:
     if args.chaos and args.pace is None:  # one pace for every run, as `diloco compare` does
         from diloco.run.local import TINY
         from diloco.run.pacing import auto_pace
-        from diloco.train.config import TrainConfig
+        from diloco.train.train_config import TrainConfig
 
         args.pace = auto_pace(TrainConfig(model=TINY) if args.model == "tiny" else TrainConfig(), args.learners + 1)
     results["pace"] = args.pace

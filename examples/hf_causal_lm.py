@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from diloco import GrpcTransport, Learner
-from diloco.train.config import TrainConfig
+from diloco.train.train_config import TrainConfig
 from diloco.train.data import Corpus, ShardSampler, eval_batches
 
 VOCAB = 256  # token ids are UTF-8 bytes

@@ -1,7 +1,7 @@
 import threading
 
 from diloco.chaos.injector import Injector
-from diloco.chaos.schedule import Fault
+from diloco.chaos.fault_schedule import Fault
 
 from liveness import wait_for
 

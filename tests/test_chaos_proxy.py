@@ -19,7 +19,7 @@ from torch import nn
 
 from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
 from diloco.chaos import LinkFaults, ProxyThread
-from diloco.chaos.cli import parse_rate, register
+from diloco.chaos.proxy_command import parse_rate, register
 from diloco.chaos.proxy import Lane, split_address
 
 from liveness import wait_for
@@ -196,7 +196,7 @@ def killed_at_the_end(process: subprocess.Popen):
 
 
 def test_proxy_command_partitions_reports_and_stops_on_sigterm(echo):
-    script = ("import argparse, sys; from diloco.chaos import cli; cli.STATUS_SECONDS = 0.1; "
+    script = ("import argparse, sys; from diloco.chaos import proxy_command as cli; cli.STATUS_SECONDS = 0.1; "
               "p = argparse.ArgumentParser(); cli.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); "
               "sys.exit(a.func(a))")
     command = [sys.executable, "-c", script, "proxy", "--listen", "127.0.0.1:0", "--target", echo, "--latency-ms", "5",

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from diloco.chaos.schedule import PRESETS, Fault, load, preset
+from diloco.chaos.fault_schedule import PRESETS, Fault, load, preset
 
 LEARNERS = ["learner-0", "learner-1", "learner-2", "learner-3"]
 

@@ -23,7 +23,8 @@ from diloco.syncer.server import ServerOptions, SyncerThread
 from diloco.wire import diloco_pb2 as pb
 from liveness import wait_for
 from test_credentials import join
-from test_hostile_service import Net, code_of, push_header, stub
+from fakes import TinyNet as Net
+from test_hostile_service import code_of, push_header, stub
 from test_syncer_core import SPECS, make_core, push
 
 pytestmark = pytest.mark.timeout(300)

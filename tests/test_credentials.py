@@ -24,7 +24,7 @@ from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import specs_to_proto
 from liveness import wait_for
-from test_hostile_service import Net
+from fakes import TinyNet as Net
 
 SHARED = "shared-s3cret"
 

@@ -4,6 +4,7 @@ address (in the certificate), so TLS, the token files and the probes work as acr
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import pytest
 
 from diloco import exits
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+MISSING = next((f"`{tool}` is not installed (the recipe runs it): apt-get install {tool}"
+                for tool in ("openssl", "curl") if shutil.which(tool) is None), None)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.needs(MISSING)]
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
 HOST, IP = "syncer.example.org", "203.0.113.7"

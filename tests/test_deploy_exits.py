@@ -17,7 +17,7 @@ from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.run.local import TINY
 from diloco.syncer.server import ServerOptions, SyncerThread
-from diloco.train.config import ModelConfig, TrainConfig
+from diloco.train.train_config import ModelConfig, TrainConfig
 from diloco.train.loop import train_config_to_json
 from diloco.train.model import build_model
 from liveness import wait_for

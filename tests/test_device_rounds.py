@@ -10,7 +10,7 @@ import torch
 
 from diloco import Learner, LocalSyncer, LocalTransport, for_mode
 from diloco.syncer.core import SyncerCore
-from diloco.train.config import ModelConfig, TrainConfig, lr_at
+from diloco.train.train_config import ModelConfig, TrainConfig, lr_at
 from diloco.train.data import ShardSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))

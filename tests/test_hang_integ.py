@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from diloco.run.local import TINY
-from diloco.train.config import TrainConfig
+from diloco.train.train_config import TrainConfig
 from diloco.train.loop import train_config_to_json
 
 from liveness import Watchdog, wait_for

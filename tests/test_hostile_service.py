@@ -509,12 +509,12 @@ def test_initial_upload_larger_than_its_specs_is_refused():
 def test_a_call_that_arrives_while_the_syncer_stops_is_unavailable_not_unknown():
     import asyncio
 
-    from diloco.syncer.guard import ShuttingDown
+    from diloco.syncer.rpc_errors import ShuttingDown
     from diloco.syncer.service import SyncerService
 
     from concurrent.futures import ThreadPoolExecutor
 
-    from diloco.syncer.guard import guarded
+    from diloco.syncer.rpc_errors import guarded
 
     pool = ThreadPoolExecutor(1)
     pool.shutdown()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from diloco.run.local import TINY
-from diloco.train.config import TrainConfig, make_inner_optimizer
+from diloco.train.train_config import TrainConfig, make_inner_optimizer
 from diloco.train.model import build_model
 
 _spec = importlib.util.spec_from_file_location("local_adam_noise",

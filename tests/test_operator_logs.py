@@ -11,7 +11,7 @@ from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.server import ProgressLine
 from diloco.train import loop
-from diloco.train.config import ModelConfig, TrainConfig
+from diloco.train.train_config import ModelConfig, TrainConfig
 from diloco.train.loop import WorkerOptions, run_learner
 
 

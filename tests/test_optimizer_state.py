@@ -7,10 +7,10 @@ import torch
 from diloco.config import for_mode
 from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.syncer.core import SyncerCore
-from diloco.train.config import TrainConfig
+from diloco.train.train_config import TrainConfig
 from diloco.train.loop import WorkerOptions, run_learner
 from diloco.train.optimizer_state import OptimizerCheckpoint
-from diloco.train.config import ModelConfig
+from diloco.train.train_config import ModelConfig
 
 
 def test_a_restarted_built_in_learner_resumes_its_adam_moments(tmp_path, caplog):

@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'dilo
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from diloco.run.local import TINY  # noqa: E402
-from diloco.train.config import TrainConfig  # noqa: E402
+from diloco.train.train_config import TrainConfig  # noqa: E402
 from diloco.train.loop import train_config_to_json  # noqa: E402
 
 # the run's own deadlines (waits below: 240 + 240 + 180 + 120 s) bound it, each naming its stage and the logs; the

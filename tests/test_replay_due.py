@@ -13,7 +13,8 @@ from diloco.syncer.core import SyncerCore
 from diloco.syncer.replay import replay, wake_up_latency
 from diloco.syncer.tape import Tape, read
 
-from test_syncer_core import SPECS, Clock  # the core tests' model and fake clock
+from fakes import Clock
+from test_syncer_core import SPECS  # the core tests' model
 
 
 def make_core(tmp_path, learners: str, **overrides):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from diloco.sim import cli as sim_cli
+from diloco.sim import simulate_command as sim_cli
 
 
 def _write_report(directory) -> None:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from diloco.sim.model import FailureModel, TrainingModel, young_daly_interval
+from diloco.sim.world import FailureModel, TrainingModel, young_daly_interval
 from diloco.sim.presets import LLAMA3_MTBI_SECONDS, PAPER_AGGRESSIVE, PRESETS, PUBLISHED_GOODPUT
 from diloco.sim.strategies import simulate
 from diloco.sim.sweep import Cell, cells_for, run_cell, run_sweep
@@ -161,7 +161,7 @@ def test_unit_smaller_than_a_slice_is_refused():
 def test_docs_constants_table_is_generated_from_the_code():
     from pathlib import Path
 
-    from diloco.sim.reference import constants_table
+    from diloco.sim.constants_doc import constants_table
 
     docs = Path(__file__).resolve().parents[1] / "docs" / "simulation.md"
-    assert constants_table() in docs.read_text(), "regenerate with: python -m diloco.sim.reference"
+    assert constants_table() in docs.read_text(), "regenerate with: python -m diloco.sim.constants_doc"

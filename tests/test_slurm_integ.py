@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from diloco.run.local import TINY
-from diloco.train.config import TrainConfig
+from diloco.train.train_config import TrainConfig
 from diloco.train.loop import train_config_to_json
 
 ROOT = Path(__file__).resolve().parents[1]

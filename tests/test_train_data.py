@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.train.config import ModelConfig, TrainConfig
+from diloco.train.train_config import ModelConfig, TrainConfig
 from diloco.train.data import (
     Corpus,
     ShardSampler,

@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from diloco.train.config import ModelConfig, TrainConfig, lr_at, make_inner_optimizer
+from diloco.train.train_config import ModelConfig, TrainConfig, lr_at, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from diloco.train.model import build_model, count_parameters
 
 PARAM_HASH = """
 import hashlib, torch
-from diloco.train.config import ModelConfig
+from diloco.train.train_config import ModelConfig
 from diloco.train.model import build_model
 h = hashlib.sha256()
 for name, p in build_model(ModelConfig(), seed=7).named_parameters():

@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     parser.commands = sub.choices
 
-    from diloco.run import cli as run_cli
+    from diloco.run import run_command as run_cli
 
     run_cli.register(sub, add_sync_options, add_train_options)
     from diloco.run import compare
@@ -393,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_replay)
 
     from diloco import status_command
-    from diloco.chaos import cli as chaos_cli
-    from diloco.sim import cli as sim_cli
+    from diloco.chaos import proxy_command as chaos_cli
+    from diloco.sim import simulate_command as sim_cli
 
     status_command.register(sub)
     sim_cli.register(sub)

@@ -9,7 +9,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from diloco.config import SyncConfig, for_mode
-from diloco.train.config import ModelConfig, TrainConfig
+from diloco.train.train_config import ModelConfig, TrainConfig
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

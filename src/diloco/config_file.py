@@ -50,7 +50,7 @@ def dataclass_of(table: str):
         from diloco.config import SyncConfig
 
         return SyncConfig
-    from diloco.train.config import TrainConfig
+    from diloco.train.train_config import TrainConfig
 
     return TrainConfig
 

@@ -190,7 +190,7 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
 def train_config(args):
     from dataclasses import replace
 
-    from diloco.train.config import TrainConfig
+    from diloco.train.train_config import TrainConfig
     from diloco.train.loop import train_config_from_json
 
     path = getattr(args, "train_config", None)
@@ -210,7 +210,7 @@ def train_config(args):
 
 def model_config(size: str):
     """The built-in model of a size name (`--model`)."""
-    from diloco.train.config import ModelConfig
+    from diloco.train.train_config import ModelConfig
 
     # tiny: fast checks; the shape the tests and benchmarks call TINY (diloco.run.local)
     return {"small": ModelConfig(), "tiny": ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2)}[size]

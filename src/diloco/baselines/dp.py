@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from diloco.atomic import fsync_dir, save_tensors, write_bytes, write_json
-from diloco.train.config import lr_at, make_inner_optimizer
+from diloco.train.train_config import lr_at, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler
 from diloco.train.loop import MetricsLog, StepClock, train_config_from_json
 from diloco.train.model import build_model

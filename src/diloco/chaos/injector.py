@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from diloco.chaos.schedule import Fault
+from diloco.chaos.fault_schedule import Fault
 
 SLOW_PERIOD = 0.2  # seconds per stop/continue cycle of a slowed process
 

@@ -18,7 +18,7 @@ from diloco import checks, procs
 
 def register(sub) -> None:
     from diloco.options import add_config_options
-    from diloco.run.cli import add_network_options
+    from diloco.run.run_command import add_network_options
 
     p = sub.add_parser("compare", help="run several modes under one budget and fault scenario, side by side",
                        description="Each mode is one `diloco run` with the same model, data, seed, budget and faults; "

@@ -53,7 +53,7 @@ class LinkError(RuntimeError):
 def parse_link(text: str) -> float | None:
     """Bits per second from `--link` ("5mbit", "500kbit", "1gbit"; "2MB" counts bytes, as in tc and `diloco
     proxy --bandwidth`), or None for "none" / "off". A unit is required."""
-    from diloco.chaos.cli import parse_rate
+    from diloco.chaos.proxy_command import parse_rate
 
     if text.strip().lower() in ("none", "off"):
         return None

@@ -25,7 +25,7 @@ from diloco.run.links import link_text
 from diloco.run.live_eval import LiveEval
 from diloco.run.report import build_report, print_summary
 from diloco.syncer import annotations
-from diloco.train.config import TrainConfig
+from diloco.train.train_config import TrainConfig
 from diloco.train.loop import train_config_to_json
 
 log = logging.getLogger("diloco.run")
@@ -123,7 +123,7 @@ def make_plan(args) -> Plan:
             save_built_in_model(train, initial_model)
     faults = None
     if args.chaos:
-        from diloco.chaos.schedule import load
+        from diloco.chaos.fault_schedule import load
 
         if not duration:
             raise ValueError("--chaos needs a --duration budget: killed learners restart with fresh step counts")

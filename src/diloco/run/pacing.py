@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from diloco.train.config import TrainConfig
+from diloco.train.train_config import TrainConfig
 
 MARGIN = 1.5
 """Pace over the measured step time of a fully loaded machine: jitter must fit inside it, or steps overrun."""
@@ -20,7 +20,7 @@ def measure_step_seconds(train: TrainConfig, steps: int = CALIBRATION_STEPS) -> 
     """Median seconds of one inner step of the built-in model in this process, on one thread (as learners run)."""
     from diloco.train.data import Corpus, ShardSampler
     from diloco.train.loop import train_step
-    from diloco.train.config import make_inner_optimizer
+    from diloco.train.train_config import make_inner_optimizer
     from diloco.train.model import build_model
 
     threads = torch.get_num_threads()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from diloco.sim.model import YEAR_SECONDS, FailureModel, TrainingModel
+from diloco.sim.world import YEAR_SECONDS, FailureModel, TrainingModel
 
 DAY_SECONDS = 86400.0
 

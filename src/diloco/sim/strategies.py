@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco.sim.model import FailureModel, TrainingModel
-from diloco.sim.rounds import synchronous_rounds
+from diloco.sim.world import FailureModel, TrainingModel
+from diloco.sim.sync_rounds import synchronous_rounds
 from diloco.sim.unit import simulate_unit
 
 STRATEGIES = ("dp", "dp-elastic", "diloco", "decoupled")

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from diloco.sim.model import FailureModel, TrainingModel
+from diloco.sim.world import FailureModel, TrainingModel
 from diloco.sim.strategies import MULTI_LEARNER, STRATEGIES, simulate
 
 # Two-sided 95% Student t quantiles by degrees of freedom (a standard table; above 30 the normal's 1.96).

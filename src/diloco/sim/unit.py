@@ -15,7 +15,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from diloco.sim.model import FailureModel, young_daly_interval
+from diloco.sim.world import FailureModel, young_daly_interval
 
 
 @dataclass

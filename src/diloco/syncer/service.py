@@ -29,7 +29,7 @@ from diloco.algorithm.digest import check_held, held_fragments
 from diloco.syncer import memory
 from diloco.syncer.core import Refused, SyncerCore, check_learner_id
 from diloco.syncer.downlink import Publication, for_current_session
-from diloco.syncer.guard import ShuttingDown, guarded, short
+from diloco.syncer.rpc_errors import ShuttingDown, guarded, short
 from diloco.syncer.heartbeat_budget import HeartbeatBudget
 from diloco.syncer.initial_model import InitialModelFile
 from diloco.syncer.initial_upload import IDLE, InitialUpload

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from diloco.train.config import TrainConfig
+from diloco.train.train_config import TrainConfig
 from diloco.train.tokenizer import ByteTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")

@@ -13,7 +13,7 @@ import torch
 
 from diloco.learner.learner import Learner
 from diloco.learner.transport import Transport
-from diloco.train.config import ModelConfig, TrainConfig, lr_at, make_inner_optimizer
+from diloco.train.train_config import ModelConfig, TrainConfig, lr_at, make_inner_optimizer
 from diloco.train.data import Corpus, ShardSampler
 from diloco.train.model import build_model
 from diloco.train.optimizer_state import OptimizerCheckpoint

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco.train.config import ModelConfig
+from diloco.train.train_config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco.sim.model import TrainingModel
+from diloco.sim.world import TrainingModel
 from diloco.sim.unit import UnitRun
 
 

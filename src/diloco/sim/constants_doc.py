@@ -1,6 +1,6 @@
 """The constants reference of docs/simulation.md, generated from the dataclasses and presets.
 
-    python -m diloco.sim.reference
+    python -m diloco.sim.constants_doc
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ast
 import dataclasses
 import inspect
 
-from diloco.sim.model import FailureModel, TrainingModel
+from diloco.sim.world import FailureModel, TrainingModel
 from diloco.sim.presets import PRESETS
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from diloco.sim import bandwidth as bw
 from diloco.sim import bandwidth_view, goodput_view
 from diloco.sim.from_run import ReportError, load_run, project
-from diloco.sim.model import field_names, override
+from diloco.sim.world import field_names, override
 from diloco.sim.presets import PRESETS, PUBLISHED_PRESET
 from diloco.sim.strategies import STRATEGIES
 from diloco.sim.sweep import cells_for, expected_events, run_sweep
