@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,21 +27,7 @@ import torch
 
 from diloco import GrpcTransport, Learner
 from provenance import stamped
-
-TENSORS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Model(torch.nn.Module):
-    def __init__(self, params: float):
-        super().__init__()
-        side = int((params / TENSORS) ** 0.5)
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(side, side)) for _ in range(TENSORS))
+from syncer_load import Model, free_port  # the same model shapes as the load benchmark (benchmarks/ on sys.path)
 
 
 def proc_mib(pid: int, field: str) -> float:
