@@ -92,7 +92,7 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing loaded from elsewhere (no CDN)
         assert 'fetch(incremental ? `history?since=${hist.now}` : "history"' in page  # relative too
         for panel in ("learners", "versions", "participation", "tokens", "loss", "throughput", "timing", "refusals",
-                      "faults"):
+                      "faults", "memory"):
             assert f'id="{panel}"' in page
         learner = trained_learner(syncer.address, "a", pause=0.02)
         def shown():
@@ -125,6 +125,8 @@ def test_the_dashboard_is_served_self_contained_and_status_carries_its_panels():
         # the page's script, run on them with a stand-in for the browser's DOM
         shown = render_in_node(page, status, history)
         assert '<td>a</td><td class="live">live</td>' in shown["learners"]
+        assert all(f"<td>{part.replace('_', ' ')}</td>" in shown["memory"] for part in status["memory"] if part != "rss")
+        assert "resident set" in shown["memory"] and status["memory"]["model"] > 0
         assert shown["versions"].count("<rect") == 2
         contributors = [c for c in history["samples"]["contributors"] if c is not None]
         assert f'data-points="{len(contributors)}"' in shown["participation"]
