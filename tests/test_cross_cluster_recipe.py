@@ -8,15 +8,27 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from diloco import exits
+from liveness import wait_for
 
+def own_address() -> str | None:
+    """This machine's address on its default route (a UDP connect sends nothing); None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        return s.getsockname()[0]
+
+
+ADDRESS = own_address()
 MISSING = next((f"`{tool}` is not installed (the recipe runs it): apt-get install {tool}"
-                for tool in ("openssl", "curl") if shutil.which(tool) is None), None)
+                for tool in ("openssl", "curl") if shutil.which(tool) is None), None) or (
+    None if ADDRESS else "this machine has no non-loopback IPv4 route to stand for a second host")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.needs(MISSING)]
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
@@ -35,16 +47,6 @@ def blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", section, re.S)
 
 
-def own_address() -> str:
-    """This machine's address on its default route (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))
-        except OSError:
-            pytest.skip("this machine has no non-loopback IPv4 route to stand for a second host")
-        return s.getsockname()[0]
-
-
 def commands(block: str) -> list[str]:
     """A block's commands, continuation lines joined and comments dropped."""
     joined = re.sub(r"\\\n\s*", " ", block)
@@ -57,7 +59,7 @@ def shell(command: str, cwd: Path, env: dict, **kwargs) -> subprocess.CompletedP
 
 
 def test_the_cross_cluster_quickstart_runs_as_written(tmp_path):
-    ip = own_address()
+    ip = ADDRESS
     grpc_port, http_port = free_port(), free_port()
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
     env.pop("DILOCO_TOKEN", None), env.pop("DILOCO_STATUS_TOKEN", None)
@@ -76,12 +78,12 @@ def test_the_cross_cluster_quickstart_runs_as_written(tmp_path):
     syncer = subprocess.Popen(["bash", "-c", "exec " + syncer_line.rstrip("& ")], cwd=tmp_path, env=env_setup,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while (ready := shell(curl_line, tmp_path, env_setup)).returncode != 0:
+        def ready() -> bool:
             assert syncer.poll() is None, syncer.stdout.read()
-            assert time.monotonic() < deadline, f"/readyz never answered: {ready.stderr}"
-            time.sleep(0.2)
-        assert json.loads(ready.stdout)["ready"] is True  # curl -f: 200 only once ready
+            return shell(curl_line, tmp_path, env_setup).returncode == 0  # curl -f: 200 only once ready
+
+        wait_for(ready, timeout=120)
+        assert json.loads(shell(curl_line, tmp_path, env_setup).stdout)["ready"] is True
 
         chmod, learner_line = commands(mine(learn))
         steps = " --max-steps 6 --model tiny"
