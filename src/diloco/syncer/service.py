@@ -16,7 +16,6 @@ was wrong (INVALID_ARGUMENT, UNAUTHENTICATED, FAILED_PRECONDITION), never UNKNOW
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,16 +26,16 @@ from grpc.aio import AbortError
 from diloco.algorithm import codec
 from diloco.algorithm.digest import check_held, held_fragments
 from diloco.syncer import memory
-from diloco.syncer.core import Refused, SyncerCore, check_learner_id
+from diloco.syncer.core import Refused, SyncerCore
 from diloco.syncer.downlink import Publication, for_current_session
 from diloco.syncer.rpc_errors import ShuttingDown, guarded, short
 from diloco.syncer.heartbeat_budget import HeartbeatBudget
 from diloco.syncer.initial_model import InitialModelFile
+from diloco.syncer.admission import Admission
 from diloco.syncer.initial_upload import IDLE, InitialUpload
 from diloco.syncer.join_refusals import JoinRefusals
-from diloco.syncer.ledger import NOBODY, LearnerRecord, session_hash
+from diloco.syncer.ledger import session_hash
 from diloco.syncer.push_budget import PushBudget
-from diloco.syncer.revocation import revoke, revoked_message
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
@@ -56,7 +55,7 @@ ABSENCE_CHECK_SECONDS = 0.5
 """How often learners are looked at for a new absence, which is logged (SyncerCore.note_absences)."""
 
 
-class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
+class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
                  allow_takeover: bool = False, initial_model: InitialModelFile | None = None, credentials=None,
                  client_cert_ids: bool = False, push_buffer_share: float = 0.25):
@@ -219,72 +218,6 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
         await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "idle stream",
                            f"{what}: nothing arrived for {seconds:.0f} s; the syncer ended the stream")
 
-    async def _check_token(self, context, token: str) -> None:
-        if self.token and not hmac.compare_digest(self.token.encode(), token.encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token: pass the syncer's --token")
-
-    async def _check_credential(self, context, learner_id: str, token: str) -> str | None:
-        """The credential a Join or Init proves: the learner's own, named by its id (an id listed in --credentials
-        needs its own token; the shared one cannot take it), or the shared run token (None: each id then counts as
-        a party of its own)."""
-        if self.client_cert_ids:
-            names = context.auth_context().get("x509_common_name") or [b""]
-            certified = names[0].decode(errors="replace")
-            if certified != learner_id:
-                await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "wrong credential", (
-                    f"learner id {shown(learner_id)} is not the one its client certificate names "
-                    f"({shown(certified)}): a certificate proves one id; join under that one"))
-            await self._check_token(context, token)
-            return learner_id
-        if self.credentials is not None and learner_id in self.credentials.digests:
-            if self.credentials.check(learner_id, token):
-                return learner_id
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong credential", (
-                f"wrong or missing credential for learner {shown(learner_id)}: pass its own token with --token (the "
-                f"one `diloco credentials new {learner_id}` printed)"))
-        if self.credentials is not None and not self.token:
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong credential", (
-                f"learner id {shown(learner_id)} has no credential on this syncer (none was given, or it was "
-                f"revoked): ask its operator to add one (`diloco credentials new ID --file FILE`) and pass that token "
-                f"with --token"))
-        await self._check_token(context, token)
-        return None
-
-    # ---- credentials in force ------------------------------------------------------------------------------
-    def vouched(self, record: LearnerRecord) -> bool:
-        """Whether the credentials in force still stand behind `record`'s session (always, without a file)."""
-        if self.credentials is None or self.client_cert_ids:
-            return True
-        return self.credentials.vouches(record.credential or record.id, record.proof)  # older ledgers: no name
-
-    async def use_credentials(self, credentials, why: str) -> list[str]:
-        """Put `credentials` (a new reading of --credentials) in force at once, and close the sessions they no
-        longer vouch for; returns those learners' ids."""
-        self.credentials = credentials
-        log.info("credentials reloaded from %s (%s): %d learner ids", credentials.path, why, len(credentials.digests))
-        return await self.close_revoked()
-
-    async def close_revoked(self) -> list[str]:
-        """Close the sessions the credentials in force do not vouch for (restored ones at start included): their
-        update streams end, every later call is refused, and their contributions in open rounds are not merged."""
-        revoked = await self._core(revoke, self.core, self.vouched)
-        for learner_id in revoked:
-            queue = self._queues.get(learner_id)
-            if queue is not None:
-                queue.put_nowait(None)  # its Subscribe ends, saying why
-        if revoked:
-            log.warning("revoked the credential of learner%s %s: %s closed", "s" if len(revoked) > 1 else "",
-                        ", ".join(revoked), "their sessions are" if len(revoked) > 1 else "its session is")
-            self.wake.set()  # rounds no longer wait for them
-        return revoked
-
-    async def _refuse_revoked(self, context, record: LearnerRecord | None) -> None:
-        """Refuse a call of a session whose credential is no longer in force (checked on every call: a reload
-        takes effect before the core has marked the record)."""
-        if record is not None and (record.revoked or not self.vouched(record)):
-            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "revoked credential",
-                               revoked_message(record.id))
-
     def _new_queue(self) -> UpdateQueue:
         # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
         # never reads reaches this
@@ -409,32 +342,6 @@ class SyncerService(InitialUpload, pb_grpc.SyncerServicer):
             for index, _, values in snapshot:
                 self.core.fragments[index].give_back(values)
         self.wake.set()
-
-    async def _check_id(self, context, learner_id: str) -> None:
-        try:
-            check_learner_id(learner_id)
-        except Refused:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid learner id", (
-                f"invalid learner id {shown(learner_id)}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
-                f"letter or digit"))
-
-    def _may_take_over(self, request) -> bool:
-        """Whether a Join may supersede the live learner under its id: only with that learner's session secret,
-        unless the operator allowed takeovers."""
-        record = self.core.learners.get(request.learner_id)
-        owner = record is not None and bool(request.session) and record.check_session(request.session)
-        return owner or self.allow_takeover
-
-    async def _authenticate(self, context, learner_id: str, session: str) -> None:
-        """The learner's session secret is its credential for Push, Subscribe, Heartbeat and Leave (a read-only
-        lookup). Unknown ids and wrong secrets get the same answer: it tells no one which ids exist."""
-        record = self.core.learners.get(learner_id)
-        expected = record if record is not None else NOBODY  # same work either way
-        if not expected.check_session(session) or record is None:
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
-                               f"unknown learner or wrong session for learner {shown(learner_id)}: it left, re-joined "
-                               f"elsewhere or never joined; join again")
-        await self._refuse_revoked(context, record)
 
     async def _admit_push(self, header, context) -> None:
         """A push's header, before any of its data is buffered: the learner's session, counters in bounds, the
