@@ -34,6 +34,8 @@ def run_cli(capsys, *argv):
     (["run", "--mode", "dp", "--chaos", "syncer-crash"], "data-parallel runs have no syncer link"),
     (["run", "--chaos", "random", "--mtbf", "0"], "--mtbf must be positive"),
     (["run", "--lr-decay", "1.5"], "--lr-decay must be between 0 and 1"),
+    (["run", "--warmup-steps", "-1"], "--warmup-steps must be 0 or more"),
+    (["run", "--z-loss", "nan"], "--z-loss must be 0 or a positive number"),
     (["run", "--pace", "-1"], "--pace must be a positive number of seconds, auto or off"),
     (["run", "--syncer-shards", "0"], "--syncer-shards must be at least 1"),
     (["run", "--mode", "dp", "--initial-model", "file"], "--initial-model file applies to runs with a syncer"),

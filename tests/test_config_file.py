@@ -48,6 +48,12 @@ def test_file_settings_reach_the_run_and_the_command_line_overrides_them(tmp_pat
     assert (train.model, train.batch_size, train.warmup_steps) == (TINY, 8, 5)
 
 
+def test_model_options_reach_the_model_whatever_its_size():
+    train = train_config(parse("run", "--model", "tiny", "--qk-norm", "--z-loss", "1e-4", "--warmup-steps", "60"))
+    assert (train.model.d_model, train.model.qk_norm, train.model.z_loss, train.warmup_steps) == (64, True, 1e-4, 60)
+    assert (train_config(parse("run")).model.qk_norm, train_config(parse("run")).model.z_loss) == (False, 0.0)
+
+
 def test_a_flag_given_equal_to_its_default_still_beats_the_file(tmp_path):
     f = write(tmp_path, "learners = 8\n")
     assert parse("run", "--config", f, "--learners", "4").learners == 4
@@ -57,6 +63,7 @@ def test_a_flag_given_equal_to_its_default_still_beats_the_file(tmp_path):
     ("run", ["--learners", "2", "--steps", "10", "--mode", "diloco", "--outer-lr", "0.5", "--model", "tiny",
              "--corpus", "a.txt", "b", "--http", "127.0.0.1:8123", "--no-keep-overlap"]),
     ("run", ["--mode", "dp", "--duration", "30", "--out", "r", "--lr-decay", "0"]),
+    ("run", ["--model", "tiny", "--warmup-steps", "60", "--qk-norm", "--z-loss", "1e-4"]),
     ("syncer", ["--listen", "127.0.0.1:6000", "--shard", "1/2", "--state", "s", "--duration", "3",
                 "--fragments", "4", "--preset", "paper"]),
     ("learner", ["--syncer", "127.0.0.1:1,127.0.0.1:2", "--id", "x", "--pace", "0.5", "--model", "tiny",

@@ -63,3 +63,7 @@ def training(train) -> None:
         raise InputError(f"--lr must be a positive number, got {train.lr}")
     if train.seed < 0:
         raise InputError(f"--seed must be 0 or more, got {train.seed}")
+    if train.warmup_steps < 0:
+        raise InputError(f"--warmup-steps must be 0 or more, got {train.warmup_steps}")
+    if not 0 <= train.model.z_loss < math.inf:
+        raise InputError(f"--z-loss must be 0 or a positive number, got {train.model.z_loss}")

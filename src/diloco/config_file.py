@@ -252,9 +252,13 @@ def effective(command: str, parser: argparse.ArgumentParser, args: argparse.Name
 
 
 def model_name(model) -> str | None:
+    """The size name of a model's shape (its options, --qk-norm and --z-loss, are keys of their own)."""
+    from dataclasses import replace
+
     from diloco.options import model_config
 
-    return next((name for name in ("small", "tiny") if model_config(name) == model), None)
+    shape = replace(model, qk_norm=False, z_loss=0.0)
+    return next((name for name in ("small", "tiny") if model_config(name) == shape), None)
 
 
 def resolved_table(command: str, args: argparse.Namespace, table: str):

@@ -185,6 +185,11 @@ def add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="inner AdamW learning rate")
     g.add_argument("--lr-decay", type=float, dest="decay_fraction", metavar="FRACTION",
                    help="final share of the budget over which the learning rate falls to a tenth (0.2; 0: constant)")
+    g.add_argument("--warmup-steps", type=int, help="inner steps over which the learning rate rises to --lr (20)")
+    g.add_argument("--qk-norm", action="store_true", default=None,
+                   help="LayerNorm on each head's queries and keys (off)")
+    g.add_argument("--z-loss", type=float, metavar="WEIGHT",
+                   help="weight of the z-loss, mean(logsumexp(logits)²), added to the training loss (0: off)")
 
 
 def train_config(args):
@@ -198,10 +203,12 @@ def train_config(args):
         cfg = train_config_from_json(json_text(path, "--train-config")) if path else TrainConfig()
     except OSError as e:
         raise UserError(f"--train-config {path}: cannot read it: {e.strerror}") from None
-    changes = {k: getattr(args, k, None) for k in ("corpus", "seed", "batch_size", "lr", "decay_fraction")}
+    changes = {k: getattr(args, k, None) for k in ("corpus", "seed", "batch_size", "lr", "decay_fraction", "warmup_steps")}
     cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None}, **getattr(args, "train_fields", {}))
     if getattr(args, "model", None):
         cfg = replace(cfg, model=model_config(args.model))
+    model_changes = {k: getattr(args, k, None) for k in ("qk_norm", "z_loss")}
+    cfg = replace(cfg, model=replace(cfg.model, **{k: v for k, v in model_changes.items() if v is not None}))
     if not 0 <= cfg.decay_fraction <= 1:
         raise ValueError(f"--lr-decay must be between 0 and 1 (a share of the budget), got {cfg.decay_fraction}")
     checks.training(cfg)
