@@ -22,8 +22,8 @@ from diloco.algorithm import codec
 from diloco.config import SyncConfig
 from diloco.algorithm.fragments import TensorSpec
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.metrics import SyncerMetrics
-from diloco.syncer.service import SyncerService
+from diloco.syncer.observation.metrics import SyncerMetrics
+from diloco.syncer.serving.service import SyncerService
 from diloco.wire import diloco_pb2 as pb
 
 

@@ -31,7 +31,7 @@ from diloco.algorithm.fragments import TensorSpec
 from diloco.algorithm.merge import StreamingMerge
 from diloco.syncer.buffers import Buffers
 from diloco.syncer.core import REUSED_FRAGMENTS, FragmentState, SyncerCore
-from diloco.syncer.store import StateStore
+from diloco.syncer.at_rest.store import StateStore
 from provenance import stamped
 
 

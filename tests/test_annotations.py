@@ -6,8 +6,8 @@ import urllib.request
 import pytest
 
 from diloco import ServerOptions, SyncerThread, for_mode
-from diloco.syncer import annotations
-from diloco.syncer.annotations import KEPT, MAX_BODY, Annotations, parse
+from diloco.syncer.observation import annotations
+from diloco.syncer.observation.annotations import KEPT, MAX_BODY, Annotations, parse
 from liveness import wait_for
 
 

@@ -9,7 +9,7 @@ from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from fakes import TinyNet
 
 
@@ -83,8 +83,7 @@ def test_syncer_beyond_loopback_requires_a_token(capsys):
 
 def test_syncer_refuses_a_shared_token_beside_a_credentials_file(capsys, tmp_path):
     # finding: with both, every holder of the shared token could add ids, with no warning
-    from diloco.syncer import credentials
-
+    from diloco.syncer.defences import credentials
     path = tmp_path / "learners.toml"
     credentials.add(path, "site-a")
     code, err = run_cli(capsys, "syncer", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state",

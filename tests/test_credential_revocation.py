@@ -17,9 +17,9 @@ from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
-from diloco.syncer import credentials
+from diloco.syncer.defences import credentials
 from diloco.syncer.membership import Refused
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from diloco.wire import diloco_pb2 as pb
 from liveness import wait_for
 from test_credentials import join

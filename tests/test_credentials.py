@@ -17,9 +17,9 @@ from diloco.algorithm.fragments import tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
-from diloco.syncer import credentials
-from diloco.syncer.server import ServerOptions, SyncerThread
-from diloco.syncer.service import MAX_STREAMS
+from diloco.syncer.defences import credentials
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.service import MAX_STREAMS
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import specs_to_proto
@@ -238,7 +238,7 @@ def test_many_ids_of_one_credential_share_its_heartbeats_and_another_credential_
 
 
 def test_beyond_the_total_each_active_credential_gets_an_equal_share_and_an_honest_one_all_it_needs():
-    from diloco.syncer.heartbeat_budget import HeartbeatBudget
+    from diloco.syncer.defences.heartbeat_budget import HeartbeatBudget
 
     now = [0.0]
     budget = HeartbeatBudget(per_credential=100.0, total=200.0, floor=5.0, clock=lambda: now[0])

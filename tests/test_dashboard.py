@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
-from diloco.syncer import annotations
-from diloco.syncer.http import dashboard_html
+from diloco.syncer.observation import annotations
+from diloco.syncer.serving.http import dashboard_html
 from liveness import wait_for
 
 

@@ -16,7 +16,7 @@ from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.run.local import TINY
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from diloco.train.train_config import ModelConfig, TrainConfig
 from diloco.train.loop import train_config_to_json
 from diloco.train.model import build_model

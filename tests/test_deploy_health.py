@@ -15,9 +15,9 @@ from torch import nn
 from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
-from diloco.syncer.http import LIVE_WITHIN, http_server, probe
-from diloco.syncer.server import ServerOptions, SyncerThread
-from diloco.syncer.service import SyncerService
+from diloco.syncer.serving.http import LIVE_WITHIN, http_server, probe
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.service import SyncerService
 
 from liveness import wait_for
 

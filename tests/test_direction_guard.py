@@ -1,4 +1,4 @@
-"""The direction test (`SyncConfig.direction_floor`, syncer/direction_guard.py): a contribution against the
+"""The direction test (`SyncConfig.direction_floor`, syncer/defences/direction_guard.py): a contribution against the
 fragment's recent published steps, under a fake clock. Honest learners here push a shared training direction plus
 their own noise (cosine about 0.8 with the reference), as real learners' outer gradients share the descent."""
 
@@ -12,7 +12,7 @@ from diloco.algorithm import codec
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.direction_guard import STANDING_HISTORY, DirectionGuard, Standing
+from diloco.syncer.defences.direction_guard import STANDING_HISTORY, DirectionGuard, Standing
 from diloco.syncer.replay import replay
 from fakes import Clock
 
@@ -312,8 +312,7 @@ def test_when_the_others_do_not_follow_r_everything_passes_and_cosines_are_forgo
 
 
 def test_the_reference_costs_half_a_fragment_per_parameter_fragment_and_is_reported():
-    from diloco.syncer import memory
-
+    from diloco.syncer.observation import memory
     core, clock, events = make_core()
     steps = {p: Steps(core.fragments[p].fragment.numel, seed=p) for p in range(3)}
     s = {x: core.join(x, SPECS) for x in "ab"}
@@ -328,7 +327,7 @@ def test_the_reference_costs_half_a_fragment_per_parameter_fragment_and_is_repor
 
 
 def test_a_restarted_syncer_has_the_test_and_warms_its_reference_up_again(tmp_path):
-    from diloco.syncer.store import StateStore
+    from diloco.syncer.at_rest.store import StateStore
 
     core, clock, events = make_core()
     core.store = StateStore(tmp_path)

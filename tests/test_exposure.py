@@ -20,9 +20,9 @@ from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport, tls_problem
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
-from diloco.syncer import http as syncer_http
-from diloco.syncer.http import http_authorized, status_json
-from diloco.syncer.server import ServerOptions, SyncerThread, exposure_problems
+from diloco.syncer.serving import http as syncer_http
+from diloco.syncer.serving.http import http_authorized, status_json
+from diloco.syncer.serving.server import ServerOptions, SyncerThread, exposure_problems
 from diloco.wire.tls import is_loopback, plaintext_token_problem
 from test_tls import issue, write
 from fakes import TinyNet

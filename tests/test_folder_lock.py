@@ -1,4 +1,4 @@
-"""One syncer per state folder (syncer/folder_lock.py): a second syncer on a live folder is refused naming the
+"""One syncer per state folder (syncer/at_rest/folder_lock.py): a second syncer on a live folder is refused naming the
 first's pid and address, exits 75 and touches nothing; once the first is gone, however it went (SIGKILL
 included), the folder is free."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from diloco import exits
 from diloco.config import for_mode
-from diloco.syncer.folder_lock import LOCK_FILE, FolderInUse, FolderLock
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.at_rest.folder_lock import LOCK_FILE, FolderInUse, FolderLock
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from liveness import wait_for
 from test_dashboard import trained_learner
 

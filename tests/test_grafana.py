@@ -4,7 +4,7 @@ import json
 import pathlib
 import re
 
-from diloco.syncer.metrics import SyncerMetrics
+from diloco.syncer.observation.metrics import SyncerMetrics
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "grafana" / "diloco-syncer.json"
 

@@ -1,4 +1,4 @@
-"""The syncer's history for the dashboard (syncer/history.py): bounded whatever the run's length, thinned so the
+"""The syncer's history for the dashboard (syncer/observation/history.py): bounded whatever the run's length, thinned so the
 whole run stays covered, served at /history behind the same guard as /status."""
 
 import json
@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 
 from diloco import ServerOptions, SyncerThread, for_mode
-from diloco.syncer import annotations
-from diloco.syncer.history import History, Series
+from diloco.syncer.observation import annotations
+from diloco.syncer.observation.history import History, Series
 from liveness import wait_for
 
 

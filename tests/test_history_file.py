@@ -1,4 +1,4 @@
-"""The dashboard's history on disk (syncer/history_file.py): a restarted syncer's charts go on from where they were,
+"""The dashboard's history on disk (syncer/at_rest/history_file.py): a restarted syncer's charts go on from where they were,
 and a file of another run, or one that a disk or a hand changed, is not used."""
 
 import copy
@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 
 from diloco import ServerOptions, SyncerThread, for_mode
-from diloco.syncer import history_file
-from diloco.syncer.history import History
+from diloco.syncer.at_rest import history_file
+from diloco.syncer.observation.history import History
 from liveness import wait_for
 from test_dashboard import trained_learner
 from test_history import learner, status_at

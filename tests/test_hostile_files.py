@@ -13,9 +13,10 @@ import pytest
 from diloco import ServerOptions, SyncerThread, for_mode
 from diloco.cli import main
 from diloco.integrations import rejoin
-from diloco.syncer import credentials, history_file
-from diloco.syncer.history import History
-from diloco.syncer.store import MANIFEST, StateError, key_path
+from diloco.syncer.defences import credentials
+from diloco.syncer.at_rest import history_file
+from diloco.syncer.observation.history import History
+from diloco.syncer.at_rest.store import MANIFEST, StateError, key_path
 from test_dashboard import trained_learner
 from test_state_integrity import make_core, manifest, refused, rehash, run
 

@@ -123,7 +123,7 @@ def test_the_robust_merge_clips_a_contribution_to_other_credentials_typical_size
 
 @pytest.mark.parametrize("ratio", [2.0, 4.0])
 def test_before_others_have_history_the_clip_bound_comes_from_the_fragments_own_norm(ratio):
-    from diloco.syncer.norm_guard import PRIOR_PER_STEP, NormGuard, fragment_scale
+    from diloco.syncer.defences.norm_guard import PRIOR_PER_STEP, NormGuard, fragment_scale
 
     guard = NormGuard(numel=1000, ceiling=1.0, ratio=50.0, sync_every=H, clip=ratio)
     prior = PRIOR_PER_STEP * fragment_scale(1000, 3.0)

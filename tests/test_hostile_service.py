@@ -22,8 +22,8 @@ from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
 from diloco.syncer.core import Publication
-from diloco.syncer.metrics import SyncerMetrics, reason_label
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.observation.metrics import SyncerMetrics, reason_label
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from diloco.syncer.updates import UpdateQueue
 from diloco.wire import bounds
 from diloco.wire import diloco_pb2 as pb
@@ -509,12 +509,12 @@ def test_initial_upload_larger_than_its_specs_is_refused():
 def test_a_call_that_arrives_while_the_syncer_stops_is_unavailable_not_unknown():
     import asyncio
 
-    from diloco.syncer.rpc_errors import ShuttingDown
-    from diloco.syncer.service import SyncerService
+    from diloco.syncer.serving.rpc_errors import ShuttingDown
+    from diloco.syncer.serving.service import SyncerService
 
     from concurrent.futures import ThreadPoolExecutor
 
-    from diloco.syncer.rpc_errors import guarded
+    from diloco.syncer.serving.rpc_errors import guarded
 
     pool = ThreadPoolExecutor(1)
     pool.shutdown()

@@ -79,3 +79,30 @@ def test_the_algorithm_imports_nothing_else_of_the_package():
     assert {"diloco.algorithm.codec", "diloco.algorithm.merge", "diloco.algorithm.outer"} <= algorithm
     outside = {m: sorted(t for t in graph[m] if not t.startswith("diloco.algorithm")) for m in algorithm}
     assert not any(outside.values()), outside
+
+
+SYNCER_ROOMS = {
+    "observation": set(),
+    "defences": {"observation"},
+    "at_rest": {"observation"},
+    "": {"defences", "at_rest", "observation"},  # the core: rounds and the model
+    "serving": {"", "defences", "at_rest", "observation"},
+}
+"""Which of the syncer's folders each may import: what it tells an operator imports nothing of it, the defences and
+the state at rest only that, the core those, and serving all of them."""
+
+
+def syncer_room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["diloco", "syncer"] or len(parts) < 3:
+        return None
+    return parts[2] if len(parts) > 3 or parts[2] in SYNCER_ROOMS else ""
+
+
+def test_the_syncer_s_folders_are_layered():
+    graph = import_graph()
+    assert {syncer_room(m) for m in graph} >= set(SYNCER_ROOMS)
+    wrong = [(m, t) for m, targets in graph.items() for t in targets
+             if syncer_room(m) is not None and syncer_room(t) is not None and syncer_room(t) != syncer_room(m)
+             and syncer_room(t) not in SYNCER_ROOMS[syncer_room(m)]]
+    assert not wrong, f"imports across the syncer's folders against their layering: {wrong}"

@@ -163,7 +163,7 @@ def test_a_model_the_checkpoint_does_not_fit_is_refused_with_what_differs(tmp_pa
 
 
 def test_unreadable_checkpoints_are_refused_at_start(tmp_path):
-    from diloco.syncer.initial_model import load
+    from diloco.syncer.at_rest.initial_model import load
 
     with pytest.raises(ValueError, match="no such file"):
         load(tmp_path / "absent.safetensors")

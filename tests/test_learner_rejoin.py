@@ -11,7 +11,7 @@ from diloco.config import for_mode
 from diloco.algorithm.fragments import gather, plan_fragments, tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 
 from liveness import wait_for
 

@@ -2,7 +2,7 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco.syncer.metrics import SyncerMetrics
+from diloco.syncer.observation.metrics import SyncerMetrics
 
 
 def status(*learners):

@@ -10,7 +10,7 @@ from torch import nn
 
 from diloco import GrpcTransport, Learner, LocalSyncer, LocalTransport, ServerOptions, SyncerThread, for_mode
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.model_file import save_model
+from diloco.syncer.at_rest.model_file import save_model
 
 
 class Net(nn.Module):

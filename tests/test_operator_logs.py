@@ -9,7 +9,7 @@ import time
 from diloco.config import for_mode
 from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.server import ProgressLine
+from diloco.syncer.serving.server import ProgressLine
 from diloco.train import loop
 from diloco.train.train_config import ModelConfig, TrainConfig
 from diloco.train.loop import WorkerOptions, run_learner

@@ -12,7 +12,7 @@ from diloco.inprocess import LocalSyncer, LocalTransport
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 ETA, MU = 0.7, 0.9

@@ -1,5 +1,5 @@
 """The syncer holds at most its push budget of payload bytes at once, however many learners push: a push beyond it
-waits for bytes before its data is read, and is then merged like any other (syncer/push_budget.py)."""
+waits for bytes before its data is read, and is then merged like any other (syncer/serving/push_budget.py)."""
 
 import asyncio
 import threading
@@ -11,8 +11,8 @@ from torch import nn
 from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
-from diloco.syncer.push_budget import PushBudget
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.push_budget import PushBudget
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from liveness import wait_for
 
 pytestmark = pytest.mark.timeout(120)

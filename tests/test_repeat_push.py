@@ -14,11 +14,12 @@ from diloco.cli import add_sync_options, sync_overrides
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.algorithm.merge import token_weight
-from diloco.syncer import memory, rounds
+from diloco.syncer.observation import memory
+from diloco.syncer import rounds
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.fragment_state import Contribution
 from diloco.syncer.replay import replay
-from diloco.syncer.tape import Tape, read
+from diloco.syncer.observation.tape import Tape, read
 from fakes import Clock
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]

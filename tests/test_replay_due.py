@@ -11,7 +11,7 @@ from diloco.config import for_mode
 from diloco.algorithm.fragments import plan_fragments
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.replay import replay, wake_up_latency
-from diloco.syncer.tape import Tape, read
+from diloco.syncer.observation.tape import Tape, read
 
 from fakes import Clock
 from test_syncer_core import SPECS  # the core tests' model

@@ -9,7 +9,7 @@ import pytest
 
 from diloco.cli import main
 from diloco.syncer.replay import replay, wake_up_latency
-from diloco.syncer.tape import read
+from diloco.syncer.observation.tape import read
 
 pytestmark = [pytest.mark.timeout(480), pytest.mark.slow]
 

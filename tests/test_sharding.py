@@ -8,7 +8,7 @@ from diloco.algorithm import codec
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.store import StateError, StateStore
+from diloco.syncer.at_rest.store import StateError, StateStore
 
 SPECS = [TensorSpec("emb", (8, 4), "float32", True), TensorSpec("w1", (6, 4), "float32"),
          TensorSpec("w2", (5, 4), "float32"), TensorSpec("w3", (12,), "float32"), TensorSpec("b", (3,), "float32")]
@@ -82,7 +82,7 @@ def test_a_shard_resumes_its_own_state_and_refuses_another_shards(tmp_path):
 
 # ---- real shards on loopback ------------------------------------------------------------------------------------
 def sharded_run(tmp_path, shards: int = 2):
-    from diloco.syncer.server import ServerOptions, SyncerThread
+    from diloco.syncer.serving.server import ServerOptions, SyncerThread
 
     cfg = for_mode("decoupled", 3, fragments=4, sync_every=4, heartbeat_seconds=0.2)
     return [SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, out=tmp_path / f"shard-{i}",

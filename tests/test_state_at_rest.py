@@ -33,9 +33,9 @@ from diloco.algorithm.fragments import TensorSpec, plan_fragments, tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.syncer.core import Refused, SyncerCore
-from diloco.syncer.server import ModelNotSaved, ServerOptions, SyncerThread
-from diloco.syncer.store import MANIFEST, PREVIOUS, StateError, StateStore, key_path
-from diloco.syncer.tape import Tape
+from diloco.syncer.serving.server import ModelNotSaved, ServerOptions, SyncerThread
+from diloco.syncer.at_rest.store import MANIFEST, PREVIOUS, StateError, StateStore, key_path
+from diloco.syncer.observation.tape import Tape
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import specs_to_proto

@@ -21,9 +21,9 @@ from diloco.algorithm import codec
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.server import ServerOptions, SyncerThread
-from diloco.syncer.state_key import StateKey
-from diloco.syncer.store import MANIFEST, PREVIOUS, StateError, StateStore, key_path
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
+from diloco.syncer.at_rest.state_key import StateKey
+from diloco.syncer.at_rest.store import MANIFEST, PREVIOUS, StateError, StateStore, key_path
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 

@@ -19,7 +19,7 @@ from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 
 from liveness import wait_for
 

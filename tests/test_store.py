@@ -8,8 +8,8 @@ from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco import atomic
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.state_key import StateKey
-from diloco.syncer.store import StateStore
+from diloco.syncer.at_rest.state_key import StateKey
+from diloco.syncer.at_rest.store import StateStore
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 

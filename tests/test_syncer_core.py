@@ -306,7 +306,7 @@ def test_a_chain_link_is_never_applied_as_an_answer():
 
 
 def test_join_resync_and_restart_send_the_published_values_in_full(tmp_path):
-    from diloco.syncer.store import StateStore
+    from diloco.syncer.at_rest.store import StateStore
 
     core, _ = make_core(learners=1, grace=0.0, down_codec="int4")
     core.store = StateStore(tmp_path)
@@ -582,7 +582,7 @@ def test_departed_learners_are_forgotten_after_a_while_and_beyond_a_cap(monkeypa
 
 
 def test_a_restarted_learner_counts_from_zero_and_what_it_trained_before_still_counts(tmp_path):
-    from diloco.syncer.store import StateStore
+    from diloco.syncer.at_rest.store import StateStore
 
     core, _ = make_core()
     core.token_budget = 3000
@@ -609,7 +609,7 @@ def test_a_restarted_learner_counts_from_zero_and_what_it_trained_before_still_c
 
 
 def test_forgotten_learners_tokens_still_count_in_the_budget_and_across_a_restart(tmp_path):
-    from diloco.syncer.store import StateStore
+    from diloco.syncer.at_rest.store import StateStore
 
     core, clock = make_core(absent_after_seconds=10.0, forget_after_seconds=100.0)
     core.token_budget = 10_000
@@ -631,7 +631,7 @@ def test_forgotten_learners_tokens_still_count_in_the_budget_and_across_a_restar
     assert resumed.restore()
     assert (resumed.tokens_trained(), resumed.budget_tokens(), resumed.tokens_merged()) == (2000, 2000, merged)
     from diloco.syncer import persistence
-    from diloco.syncer.store import Damaged
+    from diloco.syncer.at_rest.store import Damaged
 
     for bad in ({"trained": -1, "budget": 0, "merged": 0}, {"trained": 0, "budget": float("nan"), "merged": 0},
                 {"trained": 0, "budget": float("inf"), "merged": 0}, {"trained": True, "budget": 0, "merged": 0},
@@ -801,8 +801,8 @@ def test_a_push_of_a_session_replaced_by_a_rejoin_is_merged_but_not_answered():
 
 
 def test_answers_computed_before_a_rejoin_are_not_delivered_to_the_new_session():
-    from diloco.syncer.metrics import SyncerMetrics
-    from diloco.syncer.service import SyncerService
+    from diloco.syncer.observation.metrics import SyncerMetrics
+    from diloco.syncer.serving.service import SyncerService
 
     core, _ = make_core(learners=1, grace=0.0)
     service = SyncerService(core, SyncerMetrics())

@@ -10,7 +10,7 @@ import torch
 from diloco.algorithm import codec
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
-from diloco.syncer import memory
+from diloco.syncer.observation import memory
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.updates import UpdateQueue
 

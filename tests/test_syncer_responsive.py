@@ -14,10 +14,10 @@ import torch
 from diloco.algorithm import codec
 from diloco.config import SyncConfig
 from diloco.algorithm.fragments import TensorSpec
-from diloco.syncer import memory
+from diloco.syncer.observation import memory
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.metrics import SyncerMetrics
-from diloco.syncer.service import SyncerService
+from diloco.syncer.observation.metrics import SyncerMetrics
+from diloco.syncer.serving.service import SyncerService
 
 _spec = importlib.util.spec_from_file_location("syncer_latency", Path(__file__).parents[1] / "benchmarks" / "syncer_latency.py")
 syncer_latency = importlib.util.module_from_spec(_spec)

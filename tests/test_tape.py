@@ -9,7 +9,7 @@ from diloco.cli import main
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.tape import Tape, read, summarise
+from diloco.syncer.observation.tape import Tape, read, summarise
 from fakes import Clock
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
@@ -58,7 +58,7 @@ def test_the_tape_is_rotated_and_read_back_in_order(tmp_path):
 
 
 def test_round_events_feed_participation_staleness_and_round_time_metrics():
-    from diloco.syncer.metrics import SyncerMetrics
+    from diloco.syncer.observation.metrics import SyncerMetrics
 
     metrics = SyncerMetrics()
     metrics.observe_event("round", {"contributors": [{"staleness": 0}, {"staleness": 3}], "open_seconds": 0.4,

@@ -14,7 +14,7 @@ from diloco.config import for_mode
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from fakes import TinyNet
 
 
@@ -124,7 +124,7 @@ def test_a_client_certificate_proves_one_learner_id(pki, tmp_path):
 
 
 def test_client_cert_ids_need_mutual_tls():
-    from diloco.syncer.server import exposure_problems
+    from diloco.syncer.serving.server import exposure_problems
 
     errors, _ = exposure_problems(ServerOptions(client_cert_ids=True))
     assert any("--client-cert-ids needs mutual TLS" in e for e in errors)

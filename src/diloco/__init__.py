@@ -22,7 +22,7 @@ from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.sharded import ShardedTransport
 from diloco.learner.transport import SyncerError
-from diloco.syncer.server import ServerOptions, SyncerThread
+from diloco.syncer.serving.server import ServerOptions, SyncerThread
 
 __all__ = [
     "GrpcTransport",

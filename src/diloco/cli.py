@@ -24,7 +24,7 @@ from diloco.options import (  # noqa: F401  (also this module's names: tests and
 def cmd_inspect(args) -> int:
     from rich.console import Console
 
-    from diloco.syncer.tape import read_all, render, summarise
+    from diloco.syncer.observation.tape import read_all, render, summarise
 
     for path in args.tape:
         if not path.exists():
@@ -39,7 +39,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_replay(args) -> int:
     from diloco.syncer.replay import latency_summary, replay, wake_up_latency
-    from diloco.syncer.tape import read
+    from diloco.syncer.observation.tape import read
 
     if not args.tape.exists():
         raise UserError(f"no tape at {args.tape}: a syncer started with --state DIR writes DIR/tape.jsonl")
@@ -57,7 +57,7 @@ def cmd_replay(args) -> int:
 
 
 def cmd_credentials(args) -> int:
-    from diloco.syncer.credentials import CredentialsError, add
+    from diloco.syncer.defences.credentials import CredentialsError, add
 
     try:
         token = add(args.file, args.learner_id)
@@ -72,7 +72,7 @@ def cmd_credentials(args) -> int:
 
 def cmd_syncer(args) -> int:
     from diloco.allocator import limit_arenas
-    from diloco.syncer.server import ServerOptions, serve
+    from diloco.syncer.serving.server import ServerOptions, serve
 
     limit_arenas()  # before any thread allocates (diloco.allocator)
 

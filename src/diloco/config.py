@@ -165,7 +165,7 @@ class SyncConfig:
     sign-flipped (c < 0) or random (c ≈ 0) outer gradients is merged with (near) no weight; an honest step that
     points back now and then keeps its weight. Everything passes until the reference took in two rounds with
     contributors of three credentials, and while the others' typical cosine is under 0.1
-    (syncer/direction_guard.py). Measured at the clip of 2 (docs/results.md, "Hostile learners"; one learner in
+    (syncer/defences/direction_guard.py). Measured at the clip of 2 (docs/results.md, "Hostile learners"; one learner in
     four hostile, three seeds): a sign flip +3.3% → +0.3% of an honest run's final loss, inner-product
     manipulation +10.3% → +2.8%, flips on two pushes in five +6.8% → +3.3%; on honest runs +0.013, −0.005 and
     −0.003 nats (two runs of one setting differed by 0.005–0.015), so it is on by default."""

@@ -53,7 +53,7 @@ def for_error(command: str, error: BaseException) -> int:
 
     if isinstance(error, SyncerError):
         return for_syncer_error(str(error))
-    from diloco.syncer.folder_lock import FolderInUse
+    from diloco.syncer.at_rest.folder_lock import FolderInUse
 
     if isinstance(error, FolderInUse) or isinstance(error, OSError) and "cannot listen on" in str(error):
         return RETRY  # the port or the folder may be freed (a previous syncer still shutting down)

@@ -22,7 +22,7 @@ class Injector:
     """Call `tick(t)` with the seconds since training started; faults start and end on those ticks."""
 
     def __init__(self, faults: list[Fault], cluster: Cluster, tape=None, on_event=None):
-        """`tape`: a syncer/tape.Tape that gets a `fault` event as each fault starts and a `fault_end` as it ends.
+        """`tape`: a syncer/observation/tape.Tape that gets a `fault` event as each fault starts and a `fault_end` as it ends.
         `on_event(event, t, fault)`: told the same, just before a fault starts and just after it ends."""
         self.tape = tape
         self.on_event = on_event

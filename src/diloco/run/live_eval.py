@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from diloco.syncer import annotations
+from diloco.syncer.observation import annotations
 from diloco.train.data import Corpus, eval_batches, evaluate
 from diloco.train.model import build_model
 

@@ -24,7 +24,7 @@ from diloco.status_view import progress_table
 from diloco.run.links import link_text
 from diloco.run.live_eval import LiveEval
 from diloco.run.report import build_report, print_summary
-from diloco.syncer import annotations
+from diloco.syncer.observation import annotations
 from diloco.train.train_config import TrainConfig
 from diloco.train.loop import train_config_to_json
 
@@ -395,7 +395,7 @@ def _run_with_syncer(plan: Plan, progress: Progress, snapshots: int, chaos=None,
                            http=getattr(plan, "http", None))
     tape = None
     if faults:  # the faults on a tape beside the syncer's: `diloco inspect syncer/tape.jsonl faults.jsonl`
-        from diloco.syncer.tape import Tape
+        from diloco.syncer.observation.tape import Tape
 
         tape = Tape(plan.out / "faults.jsonl")
 

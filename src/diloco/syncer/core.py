@@ -38,12 +38,12 @@ from diloco.syncer.membership import Membership, Refused, rejoined
 from diloco.syncer.round_timing import RoundTiming
 from diloco.syncer import downlink, persistence, phase, repeat_push, rounds
 from diloco.syncer.buffers import Buffers
-from diloco.syncer.direction_guard import DirectionGuard, Standing
+from diloco.syncer.defences.direction_guard import DirectionGuard, Standing
 from diloco.syncer.downlink import Publication
 from diloco.syncer.fragment_state import Contribution, FragmentState
-from diloco.syncer.norm_guard import NormGuard
-from diloco.syncer.reference import Counters
-from diloco.syncer.store import StateStore
+from diloco.syncer.defences.norm_guard import NormGuard
+from diloco.syncer.defences.reference import Counters
+from diloco.syncer.at_rest.store import StateStore
 
 
 def check_learner_id(learner_id: str) -> str:
@@ -105,7 +105,7 @@ class SyncerCore(Membership, RoundTiming):
         """The latest of them, for /status and the dashboard (a copy of all would be costly twice a second)."""
         self.refusals: dict[str, int] = {}
         self.standing = Standing()
-        """Each credential's recent factors of the direction test, across fragments (syncer/direction_guard.py)."""
+        """Each credential's recent factors of the direction test, across fragments (syncer/defences/direction_guard.py)."""
         self.counters = Counters()
         """Declared tokens and tokens per step of accepted parameter contributions, per credential: what a
         contribution's counters are bounded by (`SyncConfig.max_counter_ratio`)."""
@@ -122,7 +122,7 @@ class SyncerCore(Membership, RoundTiming):
         reaches), and their payload bytes: each costs the syncer a fragment-sized encoding and the link 4 bytes a
         value."""
         self.tape = None
-        """The event tape (syncer/tape.py) rounds, joins, leaves, refusals and expiries are recorded on, if any."""
+        """The event tape (syncer/observation/tape.py) rounds, joins, leaves, refusals and expiries are recorded on, if any."""
         self.on_event: Callable[[str, dict], None] | None = None
         """Called with each event the tape records (the service feeds its metrics)."""
         self.on_merge: Callable[[float], None] | None = None
@@ -370,7 +370,7 @@ class SyncerCore(Membership, RoundTiming):
         direction, cosine = 1.0, None
         if fs.direction is not None:
             # the direction test: Δ against the fragment's recent steps, merged scaled down with its weight when it
-            # goes elsewhere (syncer/direction_guard.py); the norm bounds above keep its size as sent
+            # goes elsewhere (syncer/defences/direction_guard.py); the norm bounds above keep its size as sent
             norm = math.sqrt(sum(n * n for n in norms)) if norms is not None else torch.linalg.vector_norm(delta).item()
             cosine = fs.direction.cosine(delta, norm)
             with self.lock:

@@ -11,8 +11,8 @@ import torch
 
 from diloco.algorithm.fragments import Fragment
 from diloco.algorithm.merge import StreamingMerge
-from diloco.syncer.direction_guard import DirectionGuard
-from diloco.syncer.norm_guard import NormGuard
+from diloco.syncer.defences.direction_guard import DirectionGuard
+from diloco.syncer.defences.norm_guard import NormGuard
 
 
 @dataclass

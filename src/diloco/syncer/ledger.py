@@ -76,7 +76,7 @@ class LearnerRecord:
     """Highest merged push sequence number per "session:fragment": a re-sent push is merged at most once."""
     credential: str = ""
     """Who vouched for this learner: its own credential's name, or its id under a shared run token (each id then
-    counts as a party of its own). References of declared values are per credential (syncer/reference.py)."""
+    counts as a party of its own). References of declared values are per credential (syncer/defences/reference.py)."""
     step_tokens: float = 0.0
     """Tokens per step of its latest accepted parameter contribution, as counted (bounded): two cycles of them are
     how far its heartbeats may run ahead of its accepted pushes in the budget."""

@@ -14,7 +14,7 @@ from diloco.config import SyncConfig
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco.syncer.fragment_state import FragmentState
 from diloco.syncer.ledger import LearnerRecord
-from diloco.syncer.store import Damaged, Loaded, StateError, fragment_version
+from diloco.syncer.at_rest.store import Damaged, Loaded, StateError, fragment_version
 
 log = logging.getLogger("diloco.syncer")
 

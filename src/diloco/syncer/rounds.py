@@ -16,7 +16,7 @@ from diloco.algorithm.merge import token_weight
 from diloco.algorithm.outer import outer_update
 from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
-from diloco.syncer.norm_guard import MIN_SAMPLES, PRIOR_PER_STEP, fragment_scale
+from diloco.syncer.defences.norm_guard import MIN_SAMPLES, PRIOR_PER_STEP, fragment_scale
 
 log = logging.getLogger("diloco.syncer")
 

@@ -14,9 +14,9 @@ import grpc
 
 from diloco.algorithm import codec
 from diloco.algorithm.digest import fragment_digests
-from diloco.syncer import initial_model
+from diloco.syncer.at_rest import initial_model
 from diloco.syncer.core import Refused
-from diloco.syncer.rpc_errors import guarded
+from diloco.syncer.serving.rpc_errors import guarded
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire.bounds import shown
 from diloco.wire.messages import Assembler, specs_from_proto

@@ -25,19 +25,19 @@ from grpc.aio import AbortError
 
 from diloco.algorithm import codec
 from diloco.algorithm.digest import check_held, held_fragments
-from diloco.syncer import memory
+from diloco.syncer.observation import memory
 from diloco.syncer.core import Refused, SyncerCore
 from diloco.syncer.downlink import Publication, for_current_session
-from diloco.syncer.rpc_errors import ShuttingDown, guarded, short
-from diloco.syncer.heartbeat_budget import HeartbeatBudget
-from diloco.syncer.initial_model import InitialModelFile
-from diloco.syncer.admission import Admission
-from diloco.syncer.initial_upload import IDLE, InitialUpload
-from diloco.syncer.join_refusals import JoinRefusals
+from diloco.syncer.serving.rpc_errors import ShuttingDown, guarded, short
+from diloco.syncer.defences.heartbeat_budget import HeartbeatBudget
+from diloco.syncer.at_rest.initial_model import InitialModelFile
+from diloco.syncer.serving.admission import Admission
+from diloco.syncer.serving.initial_upload import IDLE, InitialUpload
+from diloco.syncer.defences.join_refusals import JoinRefusals
 from diloco.syncer.ledger import session_hash
-from diloco.syncer.push_budget import PushBudget
+from diloco.syncer.serving.push_budget import PushBudget
 from diloco.syncer.updates import UpdateQueue
-from diloco.syncer.metrics import SyncerMetrics
+from diloco.syncer.observation.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import bounds
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -66,14 +66,14 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         `credentials`: per-learner credentials (`syncer.credentials.Credentials`, --credentials): a listed id joins
         with its own token only. `client_cert_ids`: under mutual TLS, a learner's client certificate names its id
         (its common name) and is its credential. `push_buffer_share`: payload bytes of pushes held at once, as a share
-        of the model's fp32 size (0: no bound; syncer/push_budget.py)."""
+        of the model's fp32 size (0: no bound; syncer/serving/push_budget.py)."""
         self.core = core
         self.push_buffer_share = push_buffer_share
         self.push_budget = PushBudget()
         self.credentials = credentials
         self.client_cert_ids = client_cert_ids
         self.heartbeats = HeartbeatBudget()
-        """Heartbeats answered per credential and in total (syncer/heartbeat_budget.py)."""
+        """Heartbeats answered per credential and in total (syncer/defences/heartbeat_budget.py)."""
         self._push_streams: dict[str, int] = {}
         """Push streams open per learner."""
         self.metrics = metrics

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from diloco.atomic import private_opener
-from diloco.syncer.throttle import Throttled
+from diloco.syncer.observation.throttle import Throttled
 
 MAX_BYTES = 64 * 1024 * 1024
 """Size of tape.jsonl before it is rotated to tape.jsonl.1 (…, up to BACKUPS older files)."""

@@ -12,9 +12,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 
-from diloco.syncer.annotations import MAX_BODY, Annotations
-from diloco.syncer.history import History
-from diloco.syncer.service import SyncerService
+from diloco.syncer.observation.annotations import MAX_BODY, Annotations
+from diloco.syncer.observation.history import History
+from diloco.syncer.serving.service import SyncerService
 from diloco.wire.bounds import json_safe
 from diloco.wire.tls import is_loopback
 
@@ -45,7 +45,7 @@ def status_json(status: dict) -> bytes:
 def dashboard_html() -> bytes:
     """The live dashboard: one self-contained page that polls /status and /history (no build step, nothing fetched
     elsewhere)."""
-    return resources.files("diloco.syncer").joinpath("dashboard.html").read_bytes()
+    return resources.files("diloco.syncer.serving").joinpath("dashboard.html").read_bytes()
 
 
 def annotate_authorized(client_host: str, authorization: str | None, run_token: str) -> bool:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import re
 
-from diloco.syncer.metrics import reason_label
-from diloco.syncer.throttle import Throttled
+from diloco.syncer.observation.metrics import reason_label
+from diloco.syncer.observation.throttle import Throttled
 from diloco.wire.bounds import shown
 
 PREFIX = "join: "

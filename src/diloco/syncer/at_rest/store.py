@@ -29,9 +29,9 @@ from safetensors.torch import load as load_safetensors
 from diloco import untrusted_files
 from diloco.atomic import Chunked, fsync_dir, private_folder, private_opener, save_tensor_stream, write_bytes, write_json
 from diloco.algorithm.codec import all_finite
-from diloco.syncer import state_trust
-from diloco.syncer.state_key import BadKey, NoRecord, StateKey
-from diloco.syncer.throttle import Throttled
+from diloco.syncer.at_rest import state_trust
+from diloco.syncer.at_rest.state_key import BadKey, NoRecord, StateKey
+from diloco.syncer.observation.throttle import Throttled
 
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.prev.json"

@@ -6,7 +6,7 @@ their norm per local step (declared steps counted up to H: declaring more buys n
   relative to the fragment is about lr / rms(θ): 0.003–0.11 for GPT-2-style models at lr 6e-4–1e-2
   (benchmarks/LOG.md).
 - **Population**: at most `max_norm_ratio` × the reference of the fragment's accepted contributions, once
-  MIN_SAMPLES of them are known. The reference is per credential (syncer/reference.py): the median over *other*
+  MIN_SAMPLES of them are known. The reference is per credential (syncer/defences/reference.py): the median over *other*
   credentials of their recent medians, so neither many ids of one party nor a party's own history move it.
   Refused and zero-norm contributions never feed it. When most credentials pushing a fragment (two at least)
   exceed it together, the honest population has moved (an unfrozen body, a learning-rate jump): their norms
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from diloco.syncer.reference import PerCredential
+from diloco.syncer.defences.reference import PerCredential
 
 MIN_SAMPLES = 4
 """Accepted contributions before the population bound applies (the ceiling applies from the first)."""

@@ -10,7 +10,7 @@ names one id, and no two ids share a digest: one party cannot multiply itself. A
 remains for trusted setups, and never beside a credentials file: there any holder may join under any id that is not
 live.
 
-The syncer reads the file again when it changes and on SIGHUP (syncer/credentials_watch.py): an id removed from it,
+The syncer reads the file again when it changes and on SIGHUP (syncer/defences/credentials_watch.py): an id removed from it,
 or given a new token, is revoked at once.
 """
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from diloco import untrusted_files
 from diloco.atomic import write_json
 from diloco.ids import LEARNER_ID
-from diloco.syncer.annotations import NAME
-from diloco.syncer.history import LEARNER_FIELDS, History, Series
+from diloco.syncer.observation.annotations import NAME
+from diloco.syncer.observation.history import LEARNER_FIELDS, History, Series
 
 FORMAT = 1
 SAVE_SECONDS = 30.0

@@ -14,7 +14,7 @@ import os
 import signal
 from pathlib import Path
 
-from diloco.syncer.credentials import Credentials, CredentialsError
+from diloco.syncer.defences.credentials import Credentials, CredentialsError
 
 log = logging.getLogger("diloco.syncer")
 CHECK_SECONDS = 1.0

@@ -1,4 +1,4 @@
-"""Running a syncer: the gRPC server, its HTTP endpoint (syncer/http.py), snapshots, clean shutdown."""
+"""Running a syncer: the gRPC server, its HTTP endpoint (syncer/serving/http.py), snapshots, clean shutdown."""
 
 from __future__ import annotations
 
@@ -16,22 +16,22 @@ from pathlib import Path
 import grpc
 
 from diloco.atomic import private_folder, write_json
-from diloco.syncer.model_file import save_model
+from diloco.syncer.at_rest.model_file import save_model
 from diloco.config import SyncConfig
-from diloco.syncer.annotations import Annotations
-from diloco.syncer import initial_model
+from diloco.syncer.observation.annotations import Annotations
+from diloco.syncer.at_rest import initial_model
 from diloco.syncer.core import SyncerCore
-from diloco.syncer.credentials import Credentials
-from diloco.syncer.credentials_watch import CredentialsWatch
-from diloco.syncer.folder_lock import FolderLock
-from diloco.syncer import history_file
-from diloco.syncer.history import History
-from diloco.syncer.http import http_server
-from diloco.syncer.metrics import SyncerMetrics
-from diloco.syncer.service import SyncerService
-from diloco.syncer.store import StateStore
-from diloco.syncer.tape import Tape
-from diloco.syncer.throttle import Throttled
+from diloco.syncer.defences.credentials import Credentials
+from diloco.syncer.defences.credentials_watch import CredentialsWatch
+from diloco.syncer.at_rest.folder_lock import FolderLock
+from diloco.syncer.at_rest import history_file
+from diloco.syncer.observation.history import History
+from diloco.syncer.serving.http import http_server
+from diloco.syncer.observation.metrics import SyncerMetrics
+from diloco.syncer.serving.service import SyncerService
+from diloco.syncer.at_rest.store import StateStore
+from diloco.syncer.observation.tape import Tape
+from diloco.syncer.observation.throttle import Throttled
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import SERVER_OPTIONS
 from diloco.wire.tls import is_loopback, server_credentials
@@ -86,12 +86,12 @@ class ServerOptions:
     """A safetensors file with the initial global model (--initial-model): no learner uploads it."""
     push_buffer_share: float = 0.25
     """Payload bytes of pushes held at once, as a share of the model's fp32 size; pushes beyond it wait (0: no
-    bound; syncer/push_budget.py)."""
+    bound; syncer/serving/push_budget.py)."""
     exit_when_done: bool = False
     """Stop serving once the budget (token_budget, duration) is spent and no learner is live any more: each heard
     the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
     credentials: Path | None = None
-    """Per-learner credentials (--credentials, syncer/credentials.py): each listed id joins with its own token."""
+    """Per-learner credentials (--credentials, syncer/defences/credentials.py): each listed id joins with its own token."""
     client_cert_ids: bool = False
     """With mutual TLS (tls_client_ca): each learner's client certificate names its id (common name) and is its
     credential (--client-cert-ids)."""

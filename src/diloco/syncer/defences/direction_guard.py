@@ -6,7 +6,7 @@ which no single party moves alone.
   scaled down, so it moves r no more than it moves the model; the rounds of the others, three quarters of them
   with one hostile learner in four, keep r pointing where honest training goes.
 - **Cosine**: cos(Δ, r) of every contribution with a non-zero Δ, once r exists (the tape records it). Once r is
-  ready (below), each credential's recent ones are kept (syncer/reference.py: 5 per credential, 256 credentials),
+  ready (below), each credential's recent ones are kept (syncer/defences/reference.py: 5 per credential, 256 credentials),
   and the *typical* cosine a contribution is judged against is the median over the other credentials of their
   medians: neither many ids of one party nor its own history move it.
 - **Factor**: a contribution is merged with its Δ and its weight multiplied by c / (floor × typical), at most 1
@@ -44,7 +44,7 @@ import statistics
 
 import torch
 
-from diloco.syncer.reference import PerCredential
+from diloco.syncer.defences.reference import PerCredential
 
 DECAY = 0.5
 """r's decay per published round: short, so r follows training and rounds of one party do not pile up in it."""

@@ -1,0 +1,1 @@
+"""What the syncer refuses, bounds or scales down: credentials and their reloading, heartbeat budgets, refused joins told to the operator, and the outlier and direction tests a contribution meets before it is merged."""
