@@ -38,7 +38,7 @@ from diloco.syncer.membership import Membership, Refused, rejoined
 from diloco.syncer.round_timing import RoundTiming
 from diloco.syncer import downlink, persistence, phase, repeat_push, rounds
 from diloco.syncer.buffers import Buffers
-from diloco.syncer.defences.direction_guard import DirectionGuard, Standing
+from diloco.syncer.defences.direction_guard import DirectionGuard
 from diloco.syncer.downlink import Publication
 from diloco.syncer.fragment_state import Contribution, FragmentState
 from diloco.syncer.defences.norm_guard import NormGuard
@@ -104,8 +104,6 @@ class SyncerCore(Membership, RoundTiming):
         self.recent_rounds: deque[tuple[float, int, int, int]] = deque(maxlen=RECENT_ROUNDS)
         """The latest of them, for /status and the dashboard (a copy of all would be costly twice a second)."""
         self.refusals: dict[str, int] = {}
-        self.standing = Standing()
-        """Each credential's recent factors of the direction test, across fragments (syncer/defences/direction_guard.py)."""
         self.counters = Counters()
         """Declared tokens and tokens per step of accepted parameter contributions, per credential: what a
         contribution's counters are bounded by (`SyncConfig.max_counter_ratio`)."""
@@ -196,7 +194,7 @@ class SyncerCore(Membership, RoundTiming):
         """The direction test for a parameter fragment (`SyncConfig.direction_floor`), None when it is off."""
         if fragment.role != "params" or not self.cfg.direction_floor:
             return None
-        return DirectionGuard(fragment.numel, self.cfg.direction_floor, self.standing)
+        return DirectionGuard(fragment.numel, self.cfg.direction_floor)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The global model as its whole state_dict: every tensor in its own dtype, in model order, an alias (a tied

@@ -17,19 +17,14 @@ which no single party moves alone.
   whose cosine happened to be positive passed, and a flip that passed turned r against the honest learners.
   The price: a credential that pushes honest steps most of the time keeps its weight on the few hostile ones in
   between (fewer than half of its last five): together they cancel its own progress, no more.
-- **Standing**, per credential across fragments (`Standing`, shared by every fragment's test): the median of its
-  last STANDING_HISTORY factors on fragments whose r was ready. Until a fragment's r is ready (WARMUP_ROUNDS
-  rounds with contributors of WARMUP_CREDENTIALS credentials: a hostile party can push a fragment's first rounds,
-  and r would point its way), a contribution is merged with its credential's standing, 1 for a credential never
-  judged. Fragments are pushed in turn, so the first fragments' r are ready long before the last fragments'
-  second round: without it, a hostile party got the first two pushes of every fragment merged in full (12–23% of
-  a sign-flipping learner's weight in runs of 300 steps, twelve pushes per fragment), which is where an attack's
-  cost came from.
-- **Passes**: until another credential has a cosine, and while the others' typical cosine is under MIN_TYPICAL,
-  which means r is not what the other credentials follow (a hostile party's rounds made it). When most
-  credentials' medians are that low, every cosine measured so far is forgotten, and the rounds of all, merged in
-  full, remake r. A hostile party therefore gets its first push of the first fragments merged, before any r is
-  ready, and a few more while an r is being remade.
+- **Passes**: everything until r has taken in WARMUP_ROUNDS rounds with contributors of WARMUP_CREDENTIALS
+  credentials (a hostile party can push a fragment's first rounds: r would point its way) and until another
+  credential has a cosine; and everything while the others' typical cosine is under MIN_TYPICAL, which means r
+  is not what the other credentials follow (a hostile party's rounds made it). When most credentials' medians
+  are that low, every cosine measured so far is forgotten, and the rounds of all, merged in full, remake r.
+  A hostile party therefore gets its first push or two of each fragment merged, and a few more while r is being
+  remade; in runs of 300 steps (twelve pushes per fragment) 12–23% of a sign-flipping learner's weight was
+  merged, against 96–98% of honest learners' weight.
 
 Measured before it was built (docs/results.md, "Hostile learners"; tiny model, one learner in four hostile,
 `benchmarks/results/direction_cosines_tiny.json`): honest contributions have a median cosine of about 0.45 with r
@@ -62,37 +57,18 @@ WARMUP_CREDENTIALS = 3
 """Rounds, and credentials among their contributors, r takes in before anything is judged by it. A hostile party
 can push a fragment's first round (every one of them, in one measured run): r made of that round alone, or of two,
 points its way."""
-STANDING_HISTORY = 8
-"""Factors kept per credential for its standing: enough that one fragment's odd cosine does not set it, few enough
-that a party which turns hostile loses its standing within a few pushes."""
 CHUNK = 1 << 20
 """Values of r widened to fp32 at a time for ⟨Δ, r⟩ and ‖r‖ (4 MiB): whole, it would be a fragment-sized
 temporary; r updated in one such pass costs about what ⟨Δ, r⟩ does (unchunked, the mixed bf16/fp32 update took
 ten times as long here)."""
 
 
-class Standing:
-    """Each credential's recent factors on fragments whose r was ready, shared by every fragment's test: what its
-    contributions to a fragment whose r is not ready yet are merged with. Called under the syncer's lock."""
-
-    def __init__(self):
-        self.factors = PerCredential(history=STANDING_HISTORY)
-
-    def factor(self, credential: str) -> float:
-        kept = self.factors.values.get(credential)
-        return statistics.median(kept) if kept else 1.0
-
-    def add(self, credential: str, factor: float) -> None:
-        self.factors.add(credential, factor)
-
-
 class DirectionGuard:
     """The direction test of one parameter fragment. The reference is touched only by the core worker (pushes and
     round closes); `judge` runs under the syncer's lock."""
 
-    def __init__(self, numel: int, floor: float, standing: Standing | None = None):
+    def __init__(self, numel: int, floor: float):
         self.numel, self.floor = numel, floor
-        self.standing = standing if standing is not None else Standing()
         self.reference: torch.Tensor | None = None
         """r in bf16, made when the fragment's first round is published."""
         self.reference_norm = 0.0
@@ -119,10 +95,8 @@ class DirectionGuard:
 
     def judge(self, credential: str, cosine: float | None) -> float:
         """The factor in [0, 1] a contribution of `credential` with this cosine is merged with; once r is ready,
-        its cosine joins the credential's history; before, it is the credential's standing."""
-        if not self.ready:
-            return self.standing.factor(credential)
-        if cosine is None:
+        its cosine joins the credential's history."""
+        if cosine is None or not self.ready:
             return 1.0
         medians = self.cosines.medians(credential)
         self.cosines.add(credential, cosine)
@@ -140,9 +114,7 @@ class DirectionGuard:
                 self.cosines = PerCredential()
                 self.forgotten += 1
             return 1.0
-        factor = min(1.0, max(0.0, own) / (self.floor * typical))
-        self.standing.add(credential, factor)
-        return factor
+        return min(1.0, max(0.0, own) / (self.floor * typical))
 
     def published(self, delta: torch.Tensor, credentials: set[str]) -> None:
         """A round of the fragment, with contributors of `credentials`, applied `delta`: r ← DECAY·r + Δ."""
