@@ -10,7 +10,9 @@ subprocess so that its peak RSS is its own; plain and with-learner runs alternat
 machine hits both alike. A with-learner run joins a fresh syncer (decoupled defaults: P=24, H=24, int4 up) that
 runs in a process of its own at the lowest CPU priority (nice 19), so that the syncer's CPU work, which a real run does
 on another machine, takes only what the learner leaves.
-Targets: overhead <= 5% in step time; peak RSS(with) - peak RSS(plain) <= 1.2x the model's fp32 size.
+Targets: overhead <= 5% in step time; peak RSS(with) - peak RSS(plain) <= 1.2x the model's fp32 size. After the timed
+steps each with-learner run also counts what Learner.step allocates through torch's CPU allocator over
+ALLOCATION_STEPS more (torch.profiler's memory events): once warm, next to nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ MODELS = {  # name: (batch size, sequence length) of one inner step
     "builtin": (16, 128),
 }
 TARGET_OVERHEAD = 0.05
+ALLOCATION_STEPS = 48
+"""Steps after the timed ones over which Learner.step's allocations are counted: two cycles of P = 24."""
 TARGET_RSS_OVER_MODEL = 1.2
 
 
@@ -125,13 +129,16 @@ def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
     tokens = torch.Generator().manual_seed(0)
     in_step: list[float] = []  # seconds inside Learner.step: the training thread's own cost of the learner
 
-    def one_step() -> None:
+    def train_step() -> float:
         rows = torch.randint(0, vocab, (batch, seq_len + 1), generator=tokens)
         loss = loss_of(rows)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        value = loss.item()  # both variants read the loss, as a real loop does
+        return loss.item()  # both variants read the loss, as a real loop does
+
+    def one_step() -> None:
+        value = train_step()
         if learner is not None:
             t0 = time.perf_counter()
             learner.step(tokens=batch * seq_len, loss=value)
@@ -152,10 +159,31 @@ def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
     if learner is not None:
         result.update(pushes=learner.pushes, applied=learner.applied, skipped=learner.skipped,
                       learner_step_seconds_total=sum(in_step), learner_step_seconds_max=max(in_step, default=0.0))
+        # after the timed steps: the profiler slows the loop it watches
+        result["learner_step_allocations"] = step_allocations(
+            train_step, lambda: learner.step(tokens=batch * seq_len), ALLOCATION_STEPS)
         learner.finish()
         result.update(wire_bytes=learner.transport.wire_bytes)
     result["peak_rss"] = peak_rss_bytes()  # finish() pushes every fragment's remaining progress at once
     return result
+
+
+def step_allocations(one_step: Callable[[], None], learner_step: Callable[[], None], steps: int) -> dict:
+    """What `learner_step` allocates through torch's CPU allocator over `steps` more steps (torch.profiler's memory
+    events on the training thread, inside each call): a learner warmed up should allocate next to nothing."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            one_step()
+            with record_function("Learner.step"):
+                learner_step()
+    events = prof.events()
+    calls = [e for e in events if e.name == "Learner.step"]
+    inside = [e for e in events if e.name != "Learner.step" and e.self_cpu_memory_usage > 0 and any(
+        c.thread == e.thread and c.time_range.start <= e.time_range.start <= c.time_range.end for c in calls)]
+    return dict(steps=steps, allocations_per_step=len(inside) / steps,
+                bytes_per_step=sum(e.self_cpu_memory_usage for e in inside) / steps)
 
 
 def measure(name: str, with_learner: bool, steps: int, warmup: int, keep_overlap: bool = True) -> dict:
@@ -193,6 +221,9 @@ def summarise(name: str, runs: list[dict], steps: int, warmup: int) -> dict:
         plain_peak_rss=median("plain", "peak_rss"), learner_peak_rss=median("learner", "peak_rss"),
         rss_diff=rss_diff, rss_diff_over_model=rss_diff / model_bytes,
         rss_diff_to_last_step=median("learner", "peak_rss_before_finish") - median("plain", "peak_rss_before_finish"),
+        learner_step_bytes_allocated_per_step=statistics.median(
+            r["learner_step_allocations"]["bytes_per_step"] for r in runs if r["variant"] == "learner"),
+        pushes_and_applies=[(r["pushes"], r["applied"]) for r in runs if r["variant"] == "learner"],
         targets=dict(step_time_overhead=TARGET_OVERHEAD, rss_diff_over_model=TARGET_RSS_OVER_MODEL),
         meets_targets=dict(step_time_overhead=overhead <= TARGET_OVERHEAD,
                            rss_diff_over_model=rss_diff / model_bytes <= TARGET_RSS_OVER_MODEL),
@@ -226,6 +257,9 @@ def print_table(summary: dict) -> None:
                   f"the fp32 model ({summary['model_bytes'] / mib:,.0f} MiB; target <= {TARGET_RSS_OVER_MODEL}x); "
                   f"up to the last step (before finish) {summary['rss_diff_to_last_step'] / mib:,.0f} MiB = "
                   f"{summary['rss_diff_to_last_step'] / summary['model_bytes']:.2f}x")
+    console.print(f"Learner.step allocated {summary['learner_step_bytes_allocated_per_step'] / 1024:,.1f} KiB a step "
+                  f"after warm-up (torch's CPU allocator, {ALLOCATION_STEPS} steps); pushes and applies per run "
+                  f"{summary['pushes_and_applies']}")
 
 
 def main() -> int:

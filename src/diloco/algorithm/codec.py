@@ -264,8 +264,10 @@ def _dequantise(codec: str, raw: np.ndarray, out: np.ndarray, scales: torch.Tens
     torch.from_numpy(out).view(-1, BLOCK).mul_(scales[:, None])
 
 
-def decoded_chunks(payload: Encoded):
-    """(lo, hi, fp32 values lo..hi) of a verified payload, a chunk at a time."""
+def decoded_chunks(payload: Encoded, chunk: torch.Tensor | None = None):
+    """(lo, hi, fp32 values lo..hi) of a verified payload, a chunk at a time; an int8 or int4 payload is decoded
+    into `chunk` (fp32, at least min(numel, CHUNK_BLOCKS·BLOCK) values) when given, so that decoding allocates
+    nothing. Each chunk's values are valid until the next is made."""
     numel, data, step = payload.numel, memoryview(payload.data), CHUNK_BLOCKS * BLOCK
     if payload.codec in ("fp32", "bf16"):
         width, dtype = (4, np.float32) if payload.codec == "fp32" else (2, np.int16)
@@ -275,7 +277,8 @@ def decoded_chunks(payload: Encoded):
             yield lo, hi, raw if payload.codec == "fp32" else raw.view(torch.bfloat16).to(torch.float32)
         return
     blocks = -(-numel // BLOCK)
-    chunk = torch.empty(min(blocks, CHUNK_BLOCKS) * BLOCK, dtype=torch.float32)
+    if chunk is None or chunk.numel() < min(blocks, CHUNK_BLOCKS) * BLOCK:
+        chunk = torch.empty(min(blocks, CHUNK_BLOCKS) * BLOCK, dtype=torch.float32)
     scales = _scales(data, blocks)
     body = data[SCALE_BYTES * blocks :]
     per_block = BLOCK if payload.codec == "int8" else BLOCK // 2

@@ -23,7 +23,8 @@ from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restor
 from diloco.learner.initial import InitialModel
 from diloco.learner.island import Island
 from diloco.learner.model_tensors import ModelTensors, checked_state
-from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta, kept_progress, snapshot, to_device
+from diloco.learner.staging import (DeltaArena, KeptRing, LiveValues, Scratch, Snapshot, StagedDelta, kept_progress,
+                                    snapshot, to_device)
 from diloco.learner.transport import Arrival, PushJob, Receiver, SyncerError, Transport
 from diloco.algorithm.schedule import due
 
@@ -179,6 +180,10 @@ class Learner:
         self._receiver: Receiver | None = receiver if isinstance(receiver, Receiver) else None
         """Where merged values are decoded (None for a transport without one: its values never change in place)."""
         self._arena = DeltaArena(max((s.fragment.numel for s in self.slots), default=0))
+        self._kept = KeptRing(sum(s.fragment.numel for s in self.slots))
+        """Where kept Δs are staged (CPU, int4): reused once it has held a cycle of the fragments."""
+        self._scratch, self._stage_scratch = Scratch(), Scratch()
+        """Chunk buffers a keep-overlap apply, and staging a Δ, reuse."""
 
     def _pushable(self, fragment: Fragment) -> bool:
         return fragment.role == "params" or (fragment.role == "buffers" and self.config.sync_buffers)
@@ -339,9 +344,12 @@ class Learner:
         if finishing and not self.sharded:
             taken = LiveValues(local)
         elif not self.sharded and self.device.type == "cpu" and self.config.codec == "int4":
-            staged = StagedDelta(slot.base, local, self._arena, kept=keep)
+            staged = StagedDelta(slot.base, local, self._arena, self._kept if keep else None, self._stage_scratch)
         else:
             taken = snapshot(local)
+        if slot.pushed is not None and isinstance(slot.pushed[0], StagedDelta):
+            slot.pushed[0].drop()  # a push whose answer was never applied: only the latest push's answer is
+            slot.pushed = None
         if keep:
             slot.pushed = (staged if staged is not None else taken, slot.steps, slot.tokens)
         self._seq += 1
@@ -439,7 +447,7 @@ class Learner:
             ends.append(ends[-1] + t.numel())
         first = 0
         with torch.no_grad():
-            for lo, hi, gain in kept_progress(slot.ready.values, slot.base, changes, staged.values):
+            for lo, hi, gain in kept_progress(slot.ready.values, slot.base, changes, staged.values, self._scratch):
                 while ends[first + 1] <= lo:
                     first += 1
                 i = first
@@ -464,7 +472,8 @@ class Learner:
             now = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in local])
             taken = slot.pushed[0] if keep else None
             if isinstance(taken, StagedDelta):  # θ + (Θ − base at push) + Δ: the steps taken since the push stay
-                for lo, hi, gain in kept_progress(values, slot.base, self._changes_since_push(slot), taken.values):
+                for lo, hi, gain in kept_progress(values, slot.base, self._changes_since_push(slot), taken.values,
+                                                  self._scratch):
                     now[lo:hi] += gain.to(now.device)
                 values = now
             elif keep:  # Θ + (θ − θ at push): the steps taken since the push stay
@@ -480,6 +489,8 @@ class Learner:
         """After an apply: the merged values are the new base; kept progress counts toward the next push."""
         arrival = slot.ready
         self._changes_since_push(slot)  # the receiver forgets the push (an answer applied without reading them)
+        if slot.pushed is not None and isinstance(slot.pushed[0], StagedDelta):
+            slot.pushed[0].drop()
         steps, tokens = (slot.steps - slot.pushed[1], slot.tokens - slot.pushed[2]) if keep else (0, 0)
         slot.base, slot.version = arrival.values, arrival.version
         slot.steps, slot.tokens, slot.pushed = steps, tokens, None

@@ -1,8 +1,9 @@
 """Fragment copies between the model's device and host memory that never make the training thread wait.
 
-On a CPU model pushed as int4 (and not keeping its overlap) the training thread writes Δ = base − θ itself,
-rounded to bf16, into one reused buffer (`DeltaArena`): half the memory of an fp32 copy, and no page faults of fresh
-memory on the training thread. bf16 keeps 8 significant bits, so its rounding (at most 2^-9 of each value) is far
+On a CPU model pushed as int4 the training thread writes Δ = base − θ itself, rounded to bf16, into a reused buffer:
+one (`DeltaArena`) when the overlap is not kept, a ring (`KeptRing`) when each Δ is kept until its fragment's apply.
+Half the memory of an fp32 copy, and after one cycle of the fragments no allocation and no page faults of fresh
+memory on the training thread: staging and applies reuse their chunk buffers too (`Scratch`). bf16 keeps 8 significant bits, so its rounding (at most 2^-9 of each value) is far
 below int4's quantisation step (1/7 of a block's largest value). Otherwise a snapshot is a plain fp32 copy. On CUDA
 the fragment is first copied on the device (fast; the next training kernels wait only for that), then to pinned
 host memory on a side stream; the sender thread waits for that copy, not the training thread. Merged values come back from pinned memory on the same side stream.
@@ -11,6 +12,7 @@ host memory on a side stream; the sender thread waits for that copy, not the tra
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Iterator
 
 import torch
@@ -133,23 +135,92 @@ class DeltaArena:
             self._lent = False
 
 
+class Scratch:
+    """fp32 chunk buffers an apply reuses (kept_progress): allocated the first time they are needed."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+
+    def get(self, i: int, numel: int) -> torch.Tensor:
+        while len(self.buffers) <= i:
+            self.buffers.append(torch.empty(0, dtype=torch.float32))
+        if self.buffers[i].numel() < numel:
+            self.buffers[i] = torch.empty(numel, dtype=torch.float32)
+        return self.buffers[i][:numel]
+
+
+class KeptRing:
+    """One flat bf16 ring that kept Δs are cut from: a kept Δ lives from its push to its apply `overlap` steps
+    later, so they are taken in push order and mostly given back in that order. Once the ring has held one cycle
+    of the fragments, no push allocates. A Δ that finds no room replaces the ring by one twice as large (the Δs
+    still in the old one keep it alive until they are given back), up to `limit` values, the fragments' sum: at most
+    one kept Δ per fragment is ever in flight. Beyond it, a Δ gets a buffer of its own. Training thread only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.buffer = torch.empty(0, dtype=torch.bfloat16)
+        self.generation = 0
+        self.lent: deque[list] = deque()
+        """[lo, hi, returned] of this generation's spans, in the order taken."""
+        self.allocations = 0
+
+    def take(self, numel: int) -> tuple[torch.Tensor, tuple[int, list] | None]:
+        """(a flat bf16 view of `numel` values, the token to give it back with)."""
+        lo = self._room(numel)
+        if lo is None:
+            size = min(self.limit, max(2 * self.buffer.numel(), 2 * numel))
+            self.allocations += 1
+            if size < numel or size <= self.buffer.numel():  # at its limit: a buffer of its own
+                return torch.empty(numel, dtype=torch.bfloat16), None
+            self.buffer = torch.empty(size, dtype=torch.bfloat16)
+            self.generation, self.lent, lo = self.generation + 1, deque(), 0
+        span = [lo, lo + numel, False]
+        self.lent.append(span)
+        return self.buffer[lo : lo + numel], (self.generation, span)
+
+    def give_back(self, token: tuple[int, list] | None) -> None:
+        if token is None or token[0] != self.generation:
+            return  # a buffer of its own, or cut from a ring since replaced: it goes when its last view does
+        token[1][2] = True
+        while self.lent and self.lent[0][2]:
+            self.lent.popleft()
+
+    def _room(self, numel: int) -> int | None:
+        size = self.buffer.numel()
+        if not self.lent:
+            return 0 if numel <= size else None
+        tail, head = self.lent[0][0], self.lent[-1][1]
+        if self.lent[-1][0] >= tail:  # not wrapped: room after head, then before tail
+            if head + numel <= size:
+                return head
+            return 0 if numel <= tail else None
+        return head if head + numel <= tail else None
+
+
 class StagedDelta:
     """Δ = base − θ of one fragment at one step, as flat bf16 values; `release()` once encoded. A `kept` Δ has a
     buffer of its own and outlives its encoding: keep-overlap reads θ at the push back from it (base − Δ) when the
     merged fragment is applied, at half the memory of an fp32 snapshot."""
 
-    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena, kept: bool = False):
-        self.kept = kept
-        self.values, self._lent = (torch.empty(base.numel(), dtype=torch.bfloat16), False) if kept else \
-            arena.take(base.numel())
+    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena, kept: KeptRing | None = None,
+                 scratch: Scratch | None = None):
+        self.kept = kept is not None
+        self._ring, self._token = kept, None
+        if kept is not None:
+            (self.values, self._token), self._lent = kept.take(base.numel()), False
+        else:
+            self.values, self._lent = arena.take(base.numel())
         self._arena = arena
         offset = 0
+        wide = (scratch if scratch is not None else Scratch()).get(0, min(STAGE_CHUNK, base.numel()))
         with torch.no_grad():
             for t in tensors:
                 flat = t.detach().reshape(-1)
                 for lo in range(0, flat.numel(), STAGE_CHUNK):
                     hi = min(lo + STAGE_CHUNK, flat.numel())
-                    torch.sub(base[offset + lo : offset + hi], flat[lo:hi], out=self.values[offset + lo : offset + hi])
+                    # in fp32 first: subtracting straight into bf16 makes an fp32 temporary of the chunk each time
+                    torch.sub(base[offset + lo : offset + hi], flat[lo:hi], out=wide[: hi - lo])
+                    self.values[offset + lo : offset + hi].copy_(wide[: hi - lo])
                 offset += flat.numel()
 
     def release(self) -> None:
@@ -161,9 +232,15 @@ class StagedDelta:
             self._arena.give_back()
         self.values, self._lent = None, False
 
+    def drop(self) -> None:
+        """A kept Δ once applied: its span of the ring may be cut again."""
+        if self._ring is not None:
+            self._ring.give_back(self._token)
+        self.values, self._ring, self._token = None, None, None
 
-def kept_progress(values: torch.Tensor, base: torch.Tensor, changes: list[codec.Encoded], delta: torch.Tensor
-                  ) -> Iterator[tuple[int, int, torch.Tensor]]:
+
+def kept_progress(values: torch.Tensor, base: torch.Tensor, changes: list[codec.Encoded], delta: torch.Tensor,
+                  scratch: Scratch | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(lo, hi, fp32 values lo..hi of (Θ − base at push) + Δ), a chunk at a time: what a keep-overlap apply adds to
     the local values, θ ← θ + (Θ − base at push) + Δ, which is Θ + (θ − θ at push) since θ at push = base − Δ.
 
@@ -174,8 +251,10 @@ def kept_progress(values: torch.Tensor, base: torch.Tensor, changes: list[codec.
     value as Θ − base at push + Δ up to fp32 rounding (decoding a change into the base rounded it, to |base|'s
     precision; its decoded values are added here as they are). Chunk buffers are reused: use each before the next."""
     numel, step = base.numel(), codec.CHUNK_BLOCKS * codec.BLOCK
-    decoded = [codec.decoded_chunks(c) for c in changes]  # payloads verified when they were decoded into the base
-    buffer = torch.empty(min(step, numel), dtype=torch.float32)
+    scratch = scratch if scratch is not None else Scratch()
+    # payloads verified when they were decoded into the base
+    decoded = [codec.decoded_chunks(c, scratch.get(1 + i, min(step, numel))) for i, c in enumerate(changes)]
+    buffer = scratch.get(0, min(step, numel))
     for lo in range(0, numel, step):
         hi = min(lo + step, numel)
         gain = buffer[: hi - lo]
@@ -188,5 +267,7 @@ def kept_progress(values: torch.Tensor, base: torch.Tensor, changes: list[codec.
             if (at, to) != (lo, hi):
                 raise ValueError(f"a change's chunk {at}..{to} is not {lo}..{hi}")
             gain += chunk
-        gain += delta[lo:hi]
+        widened = scratch.get(1 + len(changes), hi - lo)
+        widened.copy_(delta[lo:hi])  # adding bf16 to fp32 directly makes an fp32 temporary of the chunk
+        gain += widened
         yield lo, hi, gain
