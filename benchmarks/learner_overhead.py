@@ -11,8 +11,9 @@ machine hits both alike. A with-learner run joins a fresh syncer (decoupled defa
 runs in a process of its own at the lowest CPU priority (nice 19), so that the syncer's CPU work, which a real run does
 on another machine, takes only what the learner leaves.
 Targets: overhead <= 5% in step time; peak RSS(with) - peak RSS(plain) <= 1.2x the model's fp32 size. After the timed
-steps each with-learner run also counts what Learner.step allocates through torch's CPU allocator over
-ALLOCATION_STEPS more (torch.profiler's memory events): once warm, next to nothing.
+steps of one more with-learner run (its own: the profiler's memory would count in the RSS figures) counts what
+Learner.step allocates through torch's CPU allocator over ALLOCATION_STEPS more (torch.profiler's memory events):
+once warm, next to nothing.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def join_deadlines(transport_class) -> dict:
     return {"rpc_timeout": 600.0}  # a fixed deadline per call
 
 
-def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
+def worker(name: str, syncer: str | None, steps: int, warmup: int, count_allocations: bool = False) -> dict:
     """Train `warmup` + `steps` steps on random tokens, with a Learner when `syncer` is given; time the last `steps`."""
     from diloco import GrpcTransport, Learner  # imported by both variants, so both pay for the same imports
 
@@ -159,9 +160,10 @@ def worker(name: str, syncer: str | None, steps: int, warmup: int) -> dict:
     if learner is not None:
         result.update(pushes=learner.pushes, applied=learner.applied, skipped=learner.skipped,
                       learner_step_seconds_total=sum(in_step), learner_step_seconds_max=max(in_step, default=0.0))
-        # after the timed steps: the profiler slows the loop it watches
-        result["learner_step_allocations"] = step_allocations(
-            train_step, lambda: learner.step(tokens=batch * seq_len), ALLOCATION_STEPS)
+        if count_allocations:  # after the timed steps, in a run of its own: the profiler's memory would count in RSS
+            result["variant"] = "allocations"
+            result["learner_step_allocations"] = step_allocations(
+                train_step, lambda: learner.step(tokens=batch * seq_len), ALLOCATION_STEPS)
         learner.finish()
         result.update(wire_bytes=learner.transport.wire_bytes)
     result["peak_rss"] = peak_rss_bytes()  # finish() pushes every fragment's remaining progress at once
@@ -186,12 +188,14 @@ def step_allocations(one_step: Callable[[], None], learner_step: Callable[[], No
                 bytes_per_step=sum(e.self_cpu_memory_usage for e in inside) / steps)
 
 
-def measure(name: str, with_learner: bool, steps: int, warmup: int, keep_overlap: bool = True) -> dict:
+def measure(name: str, with_learner: bool, steps: int, warmup: int, keep_overlap: bool = True,
+            count_allocations: bool = False) -> dict:
     """One worker run in a fresh interpreter (its own peak RSS), against a fresh syncer when with_learner."""
     syncer = SyncerProcess(keep_overlap=keep_overlap) if with_learner else contextlib.nullcontext()
     with syncer:
         command = [sys.executable, __file__, "--model", name, "--steps", str(steps), "--warmup", str(warmup),
-                   "--worker"] + (["--syncer", syncer.address] if with_learner else [])
+                   "--worker"] + (["--syncer", syncer.address] if with_learner else []) + \
+                  (["--count-allocations"] if count_allocations else [])
         proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -211,7 +215,7 @@ def summarise(name: str, runs: list[dict], steps: int, warmup: int) -> dict:
     overhead = median("learner", "step_seconds") / median("plain", "step_seconds") - 1
     return dict(
         model=name, parameters=runs[0]["parameters"], model_bytes=model_bytes, batch=MODELS[name],
-        steps=steps, warmup=warmup, repeats=len(runs) // 2, torch_threads=1, sync="decoupled defaults",
+        steps=steps, warmup=warmup, repeats=sum(r["variant"] == "plain" for r in runs), torch_threads=1, sync="decoupled defaults",
         plain_tokens_per_second=median("plain", "tokens_per_second"),
         learner_tokens_per_second=median("learner", "tokens_per_second"),
         tokens_per_second_ratio=median("learner", "tokens_per_second") / median("plain", "tokens_per_second"),
@@ -221,8 +225,8 @@ def summarise(name: str, runs: list[dict], steps: int, warmup: int) -> dict:
         plain_peak_rss=median("plain", "peak_rss"), learner_peak_rss=median("learner", "peak_rss"),
         rss_diff=rss_diff, rss_diff_over_model=rss_diff / model_bytes,
         rss_diff_to_last_step=median("learner", "peak_rss_before_finish") - median("plain", "peak_rss_before_finish"),
-        learner_step_bytes_allocated_per_step=statistics.median(
-            r["learner_step_allocations"]["bytes_per_step"] for r in runs if r["variant"] == "learner"),
+        learner_step_bytes_allocated_per_step=next(
+            r["learner_step_allocations"]["bytes_per_step"] for r in runs if r["variant"] == "allocations"),
         pushes_and_applies=[(r["pushes"], r["applied"]) for r in runs if r["variant"] == "learner"],
         targets=dict(step_time_overhead=TARGET_OVERHEAD, rss_diff_over_model=TARGET_RSS_OVER_MODEL),
         meets_targets=dict(step_time_overhead=overhead <= TARGET_OVERHEAD,
@@ -274,9 +278,10 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the summary and every run here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one measurement (internal)
     p.add_argument("--syncer", help=argparse.SUPPRESS)
+    p.add_argument("--count-allocations", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.model, args.syncer, args.steps, args.warmup)))
+        print(json.dumps(worker(args.model, args.syncer, args.steps, args.warmup, args.count_allocations)))
         return 0
     runs = []
     for repeat in range(args.repeats):
@@ -285,6 +290,7 @@ def main() -> int:
             print(f"repeat {repeat + 1}/{args.repeats} {run['variant']:>7}: {run['tokens_per_second']:,.1f} tokens/s, "
                   f"peak RSS {run['peak_rss'] / 2**20:,.0f} MiB", file=sys.stderr)
             runs.append(run)
+    runs.append(measure(args.model, True, args.steps, args.warmup, args.keep_overlap, count_allocations=True))
     summary = summarise(args.model, runs, args.steps, args.warmup)
     print_table(summary)
     if args.json:
