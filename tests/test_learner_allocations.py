@@ -4,10 +4,11 @@ the decoupled defaults): kept Δs are cut from one reused ring, and applies and 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from diloco import GrpcTransport, Learner, for_mode
-from diloco.learner.staging import KeptRing
+from diloco.learner.staging import BufferRing
 from diloco.options import model_config
 from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from diloco.train.model import GPT
@@ -46,7 +47,7 @@ def test_a_warm_learner_allocates_under_a_twentieth_of_a_fragment_a_step():
 
 
 def test_the_ring_is_reused_once_it_has_held_what_is_in_flight():
-    ring = KeptRing(10_000)
+    ring = BufferRing(10_000)
     tokens = []
     for numel in (100, 300, 50, 100, 300, 50, 100, 300, 50):  # fragments of three sizes, two in flight at once
         tokens.append(ring.take(numel))
@@ -62,7 +63,7 @@ def test_the_ring_is_reused_once_it_has_held_what_is_in_flight():
 
 
 def test_spans_in_flight_never_overlap_and_one_given_back_late_holds_its_place():
-    ring = KeptRing(10_000)
+    ring = BufferRing(10_000)
     held = {}
     for i in range(200):
         numel = (37 * i) % 120 + 1
@@ -80,7 +81,7 @@ def test_spans_in_flight_never_overlap_and_one_given_back_late_holds_its_place()
 
 
 def test_a_span_given_back_from_a_replaced_ring_is_ignored():
-    ring = KeptRing(10_000)
+    ring = BufferRing(10_000)
     first = ring.take(10)
     second = ring.take(1000)  # no room: a new ring; the first span's storage lives on in its view
     assert ring.allocations == 2
@@ -92,10 +93,50 @@ def test_a_span_given_back_from_a_replaced_ring_is_ignored():
 
 
 def test_beyond_its_limit_a_delta_gets_a_buffer_of_its_own():
-    ring = KeptRing(100)
+    ring = BufferRing(100)
     held = ring.take(80)
     own, token = ring.take(60)
     assert token is None and own.numel() == 60 and ring.buffer.numel() == 100
     ring.give_back(token)
     ring.give_back(held[1])
     assert ring.take(100)[0].data_ptr() == ring.buffer.data_ptr()
+
+
+def test_spans_come_back_from_other_threads():
+    import threading
+
+    ring = BufferRing(1 << 16, torch.float32)
+    grown = None
+    for cycle in range(3):  # a cycle to grow, then no allocation
+        taken = [ring.take(1000) for _ in range(8)]
+        threads = [threading.Thread(target=ring.give_back, args=(token,)) for _, token in taken]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        grown = ring.allocations if cycle == 0 else grown
+    assert not ring.lent and ring.allocations == grown and ring.buffer.dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_warm_cuda_learner_pins_no_more_host_memory():
+    from diloco.learner import costs
+
+    torch.manual_seed(0)
+    model = GPT(model_config("small")).cuda()
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=8, sync_every=8),
+                          ServerOptions(listen="127.0.0.1:0", http=None))
+    try:
+        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        for step in range(80):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p), alpha=1e-4)
+            learner.step(512)
+            if step == 39:  # five cycles of the fragments: the pinned ring has grown
+                pinned = costs.PINNED.total
+        assert learner.pushes >= 70 and costs.PINNED.total == pinned
+        learner.finish(timeout=60)
+    finally:
+        syncer.stop()

@@ -1,7 +1,7 @@
 """Fragment copies between the model's device and host memory that never make the training thread wait.
 
 On a CPU model pushed as int4 the training thread writes Δ = base − θ itself, rounded to bf16, into a reused buffer:
-one (`DeltaArena`) when the overlap is not kept, a ring (`KeptRing`) when each Δ is kept until its fragment's apply.
+one (`DeltaArena`) when the overlap is not kept, a ring (`BufferRing`) when each Δ is kept until its fragment's apply.
 Half the memory of an fp32 copy, and after one cycle of the fragments no allocation and no page faults of fresh
 memory on the training thread: staging and applies reuse their chunk buffers too (`Scratch`). bf16 keeps 8 significant bits, so its rounding (at most 2^-9 of each value) is far
 below int4's quantisation step (1/7 of a block's largest value). Otherwise a snapshot is a plain fp32 copy. On CUDA
@@ -35,10 +35,12 @@ def _side_stream(device: torch.device):
 class Snapshot:
     """A fragment's values at one step: `device` (fp32, where the model lives) and `host()` (fp32 CPU) once ready."""
 
-    def __init__(self, device_values: torch.Tensor, host_values: torch.Tensor, ready=None):
+    def __init__(self, device_values: torch.Tensor, host_values: torch.Tensor, ready=None,
+                 ring: BufferRing | None = None, token=None):
         self.device_values = device_values
         self._host = host_values
         self._ready = ready
+        self._ring, self._token = ring, token
 
     def device(self) -> torch.Tensor:
         """The device copy, safe to use on the current stream (it was made on the side stream)."""
@@ -53,9 +55,16 @@ class Snapshot:
             self._ready = None
         return self._host
 
+    def release(self) -> None:
+        """The host copy is encoded: its span of the pinned ring may be cut again (the device copy stays)."""
+        if self._ring is not None:
+            self._ring.give_back(self._token)
+        self._ring = self._token = None
 
-def snapshot(tensors: list[torch.Tensor]) -> Snapshot:
-    """Copy `tensors` (one fragment, in payload order) into one flat fp32 vector without blocking on the device."""
+
+def snapshot(tensors: list[torch.Tensor], pinned: BufferRing | None = None) -> Snapshot:
+    """Copy `tensors` (one fragment, in payload order) into one flat fp32 vector without blocking on the device; on
+    CUDA the host copy is cut from `pinned` when given (else pinned memory of its own)."""
     device = tensors[0].device
     if device.type != "cuda":
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
@@ -66,13 +75,16 @@ def snapshot(tensors: list[torch.Tensor]) -> Snapshot:
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         copied = torch.cuda.Event()
         copied.record(side)
-        host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
-        PINNED.add(host.nbytes)
+        if pinned is not None:
+            host, token = pinned.take(flat.numel())
+        else:
+            host, token = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True), None
+            PINNED.add(host.nbytes)
         host.copy_(flat, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(side)
     current.wait_event(copied)  # the next optimizer step may overwrite the parameters only after the device copy
-    return Snapshot(flat, host, ready)
+    return Snapshot(flat, host, ready, pinned, token)
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -149,41 +161,52 @@ class Scratch:
         return self.buffers[i][:numel]
 
 
-class KeptRing:
-    """One flat bf16 ring that kept Δs are cut from: a kept Δ lives from its push to its apply `overlap` steps
-    later, so they are taken in push order and mostly given back in that order. Once the ring has held one cycle
-    of the fragments, no push allocates. A Δ that finds no room replaces the ring by one twice as large (the Δs
-    still in the old one keep it alive until they are given back), up to `limit` values, the fragments' sum: at most
-    one kept Δ per fragment is ever in flight. Beyond it, a Δ gets a buffer of its own. Training thread only."""
+class BufferRing:
+    """One flat buffer that staged values are cut from, taken in push order and mostly given back in that order:
+    kept Δs (bf16, CPU), each kept from its push to its fragment's apply `overlap` steps later, and a CUDA model's
+    host copies of its snapshots (fp32, pinned), each kept until the sender has encoded it. Once the ring has held
+    one cycle of the fragments nothing is allocated. A take that finds no room replaces the ring by one twice as
+    large (what is still in the old one keeps it alive until given back), up to `limit` values, the fragments' sum:
+    at most one of each fragment is ever in flight. Beyond it, a take gets a buffer of its own. Thread-safe: the
+    sender gives snapshots back."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.buffer = torch.empty(0, dtype=torch.bfloat16)
+    def __init__(self, limit: int, dtype: torch.dtype = torch.bfloat16, pinned: bool = False):
+        self.limit, self.dtype, self.pinned = limit, dtype, pinned
+        self._lock = threading.Lock()
+        self.buffer = torch.empty(0, dtype=dtype)
         self.generation = 0
         self.lent: deque[list] = deque()
         """[lo, hi, returned] of this generation's spans, in the order taken."""
         self.allocations = 0
 
     def take(self, numel: int) -> tuple[torch.Tensor, tuple[int, list] | None]:
-        """(a flat bf16 view of `numel` values, the token to give it back with)."""
-        lo = self._room(numel)
-        if lo is None:
-            size = min(self.limit, max(2 * self.buffer.numel(), 2 * numel))
-            self.allocations += 1
-            if size < numel or size <= self.buffer.numel():  # at its limit: a buffer of its own
-                return torch.empty(numel, dtype=torch.bfloat16), None
-            self.buffer = torch.empty(size, dtype=torch.bfloat16)
-            self.generation, self.lent, lo = self.generation + 1, deque(), 0
-        span = [lo, lo + numel, False]
-        self.lent.append(span)
-        return self.buffer[lo : lo + numel], (self.generation, span)
+        """(a flat view of `numel` values, the token to give it back with)."""
+        with self._lock:
+            lo = self._room(numel)
+            if lo is None:
+                size = min(self.limit, max(2 * self.buffer.numel(), 2 * numel))
+                self.allocations += 1
+                if size < numel or size <= self.buffer.numel():  # at its limit: a buffer of its own
+                    return self._allocate(numel), None
+                self.buffer = self._allocate(size)
+                self.generation, self.lent, lo = self.generation + 1, deque(), 0
+            span = [lo, lo + numel, False]
+            self.lent.append(span)
+            return self.buffer[lo : lo + numel], (self.generation, span)
 
     def give_back(self, token: tuple[int, list] | None) -> None:
-        if token is None or token[0] != self.generation:
-            return  # a buffer of its own, or cut from a ring since replaced: it goes when its last view does
-        token[1][2] = True
-        while self.lent and self.lent[0][2]:
-            self.lent.popleft()
+        with self._lock:
+            if token is None or token[0] != self.generation:
+                return  # a buffer of its own, or cut from a ring since replaced: it goes when its last view does
+            token[1][2] = True
+            while self.lent and self.lent[0][2]:
+                self.lent.popleft()
+
+    def _allocate(self, numel: int) -> torch.Tensor:
+        values = torch.empty(numel, dtype=self.dtype, pin_memory=self.pinned)
+        if self.pinned:
+            PINNED.add(values.nbytes)
+        return values
 
     def _room(self, numel: int) -> int | None:
         size = self.buffer.numel()
@@ -202,7 +225,7 @@ class StagedDelta:
     buffer of its own and outlives its encoding: keep-overlap reads θ at the push back from it (base − Δ) when the
     merged fragment is applied, at half the memory of an fp32 snapshot."""
 
-    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena, kept: KeptRing | None = None,
+    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena, kept: BufferRing | None = None,
                  scratch: Scratch | None = None):
         self.kept = kept is not None
         self._ring, self._token = kept, None

@@ -74,6 +74,8 @@ class PushJob:
                 self._payload = codec.encode_difference(self.base, self.local.host(), codec_name)
             if self.staged is not None:
                 self.staged.release()
+            if isinstance(self.local, Snapshot):
+                self.local.release()
             self.base = self.local = self.staged = None  # the payload is all a re-send needs
         return self._payload
 
