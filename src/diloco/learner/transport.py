@@ -206,7 +206,7 @@ class Receiver:
                     flight.answered = True
         if tensor_checksum(values) != pub.result_checksum:
             return False
-        if self.pin_memory:
+        if self.pin_memory and not values.is_pinned():  # a change decoded in place into pinned values stays pinned
             values = values.pin_memory()
             PINNED.add(values.nbytes)
         self.held[pub.fragment] = values
