@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan import first_reach, run_once  # noqa: E402  (a sibling script)
 
 from diloco.algorithm.codec import BLOCK, SCALE_BYTES  # noqa: E402
+from diloco.run.report import OVERSHOOT_WARNING  # noqa: E402
 from provenance import stamped  # noqa: E402
 
 
@@ -46,7 +47,10 @@ def ratio_rows(results: dict, margin: float) -> list[dict]:
             if reach and dp_reach and reach.get("wire_bytes"):
                 byte_ratios.append(dp_bytes_to(dp, dp_reach["tokens"]) / reach["wire_bytes"])
         if ratios:
+            trained = [results["runs"][f"{name}@{seed}"].get("tokens_trained", 0) / results["tokens"]
+                       for seed in results["seeds"] if f"{name}@{seed}" in results["runs"]]
             rows.append({"variant": name, "flags": results["variants"][name], "tokens_ratio": ratios,
+                         "trained_over_budget": max(trained, default=0.0),
                          "final_minus_dp": deltas, "final": finals,
                          "fp32_dp_bytes_ratio": byte_ratios if len(byte_ratios) == len(ratios) else None})
     return rows
@@ -78,7 +82,10 @@ def markdown(results: dict, margin: float) -> str:
              "(fp32 dp's) |", "|---|---|---|---|---|"]
     for r in ratio_rows(results, margin):
         fp32 = r["fp32_dp_bytes_ratio"]
-        lines.append(f"| {r['variant']} | `{r['flags'] or '(defaults)'}` | {ratio_cell(r['tokens_ratio'])} | "
+        # a run that trained well past its budget is no equal-token comparison (report.py's run_warnings says why)
+        over = (f" **trained up to {r['trained_over_budget']:.2f}× the budget: not at equal tokens**"
+                if r["trained_over_budget"] > OVERSHOOT_WARNING else "")
+        lines.append(f"| {r['variant']} | `{r['flags'] or '(defaults)'}`{over} | {ratio_cell(r['tokens_ratio'])} | "
                      f"{spread(r['final_minus_dp'], '+.4f')} | "
                      f"{spread([x / 2 for x in fp32], '.0f') + '× (' + spread(fp32, '.0f') + '×)' if fp32 else '–'} |")
     return "\n".join(lines)

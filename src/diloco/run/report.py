@@ -124,6 +124,7 @@ def build_report(plan, learners: list[dict], source: dict, started_unix: float) 
         "eval_curve": curve,
         "sample": sample,
     }
+    report["warnings"] = run_warnings(plan, report)
     if plan.chaos:
         report["chaos"] = {"scenario": plan.chaos, "faults": faults}
         if plan.mode == "dp":
@@ -210,6 +211,30 @@ def plot_curve(curve: list[dict], mode: str, path: Path) -> None:
     plt.close(fig)
 
 
+SKIPPED_WARNING = 0.25
+"""Share of due pushes skipped above which a run is told that its H is shorter than a round trip."""
+OVERSHOOT_WARNING = 1.1
+"""Tokens trained over the --tokens budget above which a run is told it overshot."""
+
+
+def run_warnings(plan, report: dict) -> list[str]:
+    """What a run's figures say the user should know: pushes skipped because their fragment's last result had not
+    come back within H steps (each fragment then syncs less often than --sync-every says, and contributions longer
+    than max_counter_ratio × H steps count for fewer tokens, so a --tokens budget overshoots)."""
+    out = []
+    pushes = sum(s.get("pushes") or 0 for s in report["per_learner"])
+    skipped = sum(s.get("skipped") or 0 for s in report["per_learner"])
+    if skipped and skipped / (pushes + skipped) > SKIPPED_WARNING:
+        H = (report.get("config") or {}).get("sync_every")
+        out.append(f"{100 * skipped / (pushes + skipped):.0f}% of due pushes were skipped: a fragment's last result had "
+                   f"not come back within H = {H} steps, so fragments synced less often than --sync-every says; "
+                   f"raise --sync-every")
+    if plan.tokens and report["tokens_trained"] > OVERSHOOT_WARNING * plan.tokens:
+        out.append(f"the learners trained {report['tokens_trained'] / plan.tokens:.2f}× the --tokens budget: the syncer "
+                   f"counted fewer tokens than they trained (long contributions are bounded)")
+    return out
+
+
 def print_summary(report: dict, console: Console) -> None:
     t = Table(title=f"diloco run · {report['mode']} · {report['learners']} learners", show_header=False, title_justify="left")
     t.add_column(style="bold")
@@ -234,11 +259,14 @@ def print_summary(report: dict, console: Console) -> None:
         t.add_row(k, v)
     console.print(t)
     lt = Table(title="learners", title_justify="left")
-    for col in ("id", "speed", "steps", "tokens", "pushes", "applied", "tokens/s", "exit"):
+    for col in ("id", "speed", "steps", "tokens", "pushes", "skipped", "applied", "tokens/s", "exit"):
         lt.add_column(col, justify="left" if col == "id" else "right")
     for s in report["per_learner"]:
         lt.add_row(s["id"], f"{s.get('speed', 1):.2f}", f"{s.get('steps', 0):,}", f"{s.get('tokens', 0):,}",
-                   str(s.get("pushes", "–")), str(s.get("applied", "–")), f"{s.get('healthy_tokens_per_second', 0):,.0f}",
+                   str(s.get("pushes", "–")), str(s.get("skipped", "–")), str(s.get("applied", "–")),
+                   f"{s.get('healthy_tokens_per_second', 0):,.0f}",
                    str(s.get("exit_code", "")))
     console.print(lt)
+    for warning in report.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {warning}")
     console.print(f"sample: {report['sample'][:160]!r}…")
