@@ -1,4 +1,5 @@
-"""What many tests share: a clock set by hand, and the smallest model a run takes."""
+"""What many tests share: a clock set by hand, the smallest model a run takes, and a syncer core with a durable
+store."""
 
 import torch
 from torch import nn
@@ -22,3 +23,21 @@ class TinyNet(nn.Module):
         torch.manual_seed(0)
         self.emb = nn.Embedding(8, 4)
         self.lin = nn.Linear(4, width)
+
+
+def stored_core(store, clock_value: float = 100.0, **overrides):
+    """A SyncerCore of 2 learners, 3 fragments, H = 6, fp32 pushes and no grace window, writing to `store`."""
+    from diloco.config import for_mode
+    from diloco.syncer.core import SyncerCore
+
+    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0, **overrides)
+    return SyncerCore(cfg, clock=lambda: clock_value, store=store)
+
+
+def push_value(core, lid, session, seq, fragment=1, value=0.5):
+    """Push Δ = `value` everywhere in `fragment`, 4 steps and 400 tokens, on the fragment's current version."""
+    from diloco.algorithm import codec
+
+    n = core.fragments[fragment].fragment.numel
+    return core.push(lid, session, seq, fragment, core.fragments[fragment].version, 4, 400,
+                     codec.encode(torch.full((n,), value), "fp32"))

@@ -26,34 +26,26 @@ from torch import nn
 
 from diloco import atomic, exits
 
-from diloco.algorithm import codec
 from diloco.cli import main
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments, tensor_specs
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
-from diloco.syncer.core import Refused, SyncerCore
+from diloco.syncer.core import Refused
 from diloco.syncer.serving.server import ModelNotSaved, ServerOptions, SyncerThread
 from diloco.syncer.at_rest.store import MANIFEST, PREVIOUS, StateError, StateStore, key_path
 from diloco.syncer.observation.tape import Tape
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import specs_to_proto
+from fakes import push_value, stored_core
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 
 
 def make_core(folder, recover=False, accept_rollback=False, accept_unsigned=False, key=None, **overrides):
-    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0, **overrides)
-    return SyncerCore(cfg, clock=lambda: 100.0, store=StateStore(folder, recover=recover, key=key,
-                                                                 accept_rollback=accept_rollback,
-                                                                 accept_unsigned=accept_unsigned))
-
-
-def push(core, lid, session, seq, fragment=1, value=0.5):
-    n = core.fragments[fragment].fragment.numel
-    return core.push(lid, session, seq, fragment, core.fragments[fragment].version, 4, 400,
-                     codec.encode(torch.full((n,), value), "fp32"))
+    return stored_core(StateStore(folder, recover=recover, key=key, accept_rollback=accept_rollback,
+                                  accept_unsigned=accept_unsigned), **overrides)
 
 
 def run(folder, rounds=3, **overrides):
@@ -62,7 +54,7 @@ def run(folder, rounds=3, **overrides):
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     session = core.join("a", SPECS)
     for seq in range(1, rounds + 1):
-        assert push(core, "a", session, seq).accepted
+        assert push_value(core, "a", session, seq).accepted
         assert core.poll()
     return core, session
 
@@ -108,7 +100,7 @@ def test_every_file_the_syncer_writes_is_0600_and_its_folders_0700(tmp_path, ope
         assert syncer.service._pool.submit(core.initialize, SPECS, flats).result()
         session = syncer.service._pool.submit(core.join, "a", SPECS).result()
         for seq in (1, 2):
-            assert syncer.service._pool.submit(push, core, "a", session, seq).result().accepted
+            assert syncer.service._pool.submit(push_value, core, "a", session, seq).result().accepted
             deadline = time.monotonic() + 20
             while core.fragments[1].version < seq and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -156,7 +148,7 @@ def state_bytes(folder) -> bytes:
 def test_no_session_secret_is_saved_and_a_restarted_syncer_still_accepts_the_learner(tmp_path):
     core, session = run(tmp_path / "state")
     other = core.join("b", SPECS)
-    assert push(core, "b", other, 1, fragment=2).accepted and core.poll()
+    assert push_value(core, "b", other, 1, fragment=2).accepted and core.poll()
     saved = state_bytes(tmp_path / "state")
     assert session.encode() not in saved and other.encode() not in saved
     restarted = make_core(tmp_path / "state")
@@ -166,11 +158,11 @@ def test_no_session_secret_is_saved_and_a_restarted_syncer_still_accepts_the_lea
         restarted.heartbeat("a", other)
     restarted.heartbeat("a", session)  # authenticated by its hash
     # pushes merged before the restart are recognised by the session's hash: merged at most once
-    assert push(restarted, "a", session, 3).duplicate
-    assert push(restarted, "a", session, 4).accepted and restarted.poll()
+    assert push_value(restarted, "a", session, 3).duplicate
+    assert push_value(restarted, "a", session, 4).accepted and restarted.poll()
     assert session.encode() not in state_bytes(tmp_path / "state")
     again = make_core(tmp_path / "state")
-    assert again.restore() and push(again, "a", session, 4).duplicate  # the new merge, saved by hash too
+    assert again.restore() and push_value(again, "a", session, 4).duplicate  # the new merge, saved by hash too
 
 
 def test_a_ledger_saved_with_secrets_in_it_is_read_and_rewritten_without_them(tmp_path):
@@ -189,9 +181,9 @@ def test_a_ledger_saved_with_secrets_in_it_is_read_and_rewritten_without_them(tm
     (state / MANIFEST).write_text(json.dumps(StateStore(state).key.sign(m)))  # the syncer's own older write
     restarted = make_core(state)
     assert restarted.restore()
-    assert push(restarted, "a", session, 3).duplicate
+    assert push_value(restarted, "a", session, 3).duplicate
     for seq in (4, 5):  # the old ledger stays as the previous generation until a second save replaces it
-        assert push(restarted, "a", session, seq).accepted and restarted.poll()
+        assert push_value(restarted, "a", session, seq).accepted and restarted.poll()
     assert session.encode() not in state_bytes(state)
 
 
@@ -311,7 +303,7 @@ def test_an_older_copy_of_the_whole_folder_is_a_rollback(tmp_path):
     core, session = run(state, rounds=2)
     shutil.copytree(state, tmp_path / "backup")
     for seq in (3, 4, 5):
-        assert push(core, "a", session, seq).accepted and core.poll()
+        assert push_value(core, "a", session, seq).accepted and core.poll()
     shutil.rmtree(state)
     shutil.copytree(tmp_path / "backup", state)
     assert "holds generation 3 but this syncer last wrote 6" in refused(state)
@@ -326,7 +318,7 @@ def test_an_honest_restart_and_a_recovery_from_a_damaged_newest_generation_resum
     assert "--state-recover" in refused(tmp_path)
     recovered = make_core(tmp_path, recover=True)
     assert recovered.restore() and recovered.fragments[1].version == core.fragments[1].version - 1
-    assert push(recovered, "a", session, 4).accepted and recovered.poll()
+    assert push_value(recovered, "a", session, 4).accepted and recovered.poll()
     assert make_core(tmp_path).restore()  # consistent and signed again
 
 
@@ -397,7 +389,7 @@ def test_a_deleted_generation_record_does_not_let_the_previous_manifest_pass(tmp
     assert f"{record}, is not signed with the state key" in refused(state)
     accepted = make_core(state, accept_rollback=True)
     assert accepted.restore() and accepted.fragments[1].version == core.fragments[1].version - 1
-    assert push(accepted, "a", session, 9).accepted and accepted.poll()  # saved again: resumed with no flag
+    assert push_value(accepted, "a", session, 9).accepted and accepted.poll()  # saved again: resumed with no flag
     assert make_core(state).restore()
 
 
@@ -421,7 +413,7 @@ def test_a_key_kept_elsewhere_also_tells_a_whole_older_copy_of_the_folder(tmp_pa
     assert not (out / "state.key").exists() and (secrets / "run.generation").exists()
     shutil.copytree(out, tmp_path / "old")  # all of --state at generation 4
     for seq in (4, 5):
-        assert push(core, "a", session, seq).accepted and core.poll()
+        assert push_value(core, "a", session, seq).accepted and core.poll()
     shutil.rmtree(out)
     shutil.copytree(tmp_path / "old", out)
     assert "holds generation 4 but this syncer last wrote 6" in refused(out / "state", key=key)
@@ -459,7 +451,7 @@ def test_a_state_from_before_keys_is_resumed_and_signed_by_the_next_save(tmp_pat
     with caplog.at_level(logging.WARNING, logger="diloco.syncer"):
         assert restarted.restore()
     assert "written before state keys existed: resumed unauthenticated (--accept-unsigned)" in caplog.text
-    assert push(restarted, "a", session, 4).accepted and restarted.poll()
+    assert push_value(restarted, "a", session, 4).accepted and restarted.poll()
     assert "hmac" in manifest(state) and key_path(state).exists()
     assert make_core(state).restore()
 
@@ -517,7 +509,7 @@ def test_a_full_state_directory_is_logged_once_per_interval_with_a_count(tmp_pat
     (tmp_path / "rounds.jsonl").symlink_to("/dev/full")  # appending the round history fails too
     with caplog.at_level(logging.WARNING, logger="diloco.syncer"):
         for seq in range(2, 42):
-            assert push(core, "a", session, seq).accepted and core.poll()
+            assert push_value(core, "a", session, seq).accepted and core.poll()
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 2, [r.getMessage() for r in errors]  # the state, the round history: once each
         assert "[Errno 28]" in core.state_error

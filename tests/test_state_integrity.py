@@ -20,23 +20,16 @@ from diloco import atomic
 from diloco.algorithm import codec
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
-from diloco.syncer.core import SyncerCore
 from diloco.syncer.serving.server import ServerOptions, SyncerThread
 from diloco.syncer.at_rest.state_key import StateKey
 from diloco.syncer.at_rest.store import MANIFEST, PREVIOUS, StateError, StateStore, key_path
+from fakes import push_value, stored_core
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 
 
 def make_core(folder, recover=False, **overrides):
-    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0, **overrides)
-    return SyncerCore(cfg, clock=lambda: 100.0, store=StateStore(folder, recover=recover))
-
-
-def push(core, lid, session, seq, fragment=1, value=0.5):
-    n = core.fragments[fragment].fragment.numel
-    return core.push(lid, session, seq, fragment, core.fragments[fragment].version, 4, 400,
-                     codec.encode(torch.full((n,), value), "fp32"))
+    return stored_core(StateStore(folder, recover=recover), **overrides)
 
 
 def run(folder, rounds=3, **overrides):
@@ -45,7 +38,7 @@ def run(folder, rounds=3, **overrides):
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     session = core.join("a", SPECS)
     for seq in range(1, rounds + 1):
-        push(core, "a", session, seq)
+        push_value(core, "a", session, seq)
         assert core.poll()
     return core, session
 
@@ -156,7 +149,7 @@ def test_recovery_from_the_previous_generation(tmp_path):
     assert recovered.restore()
     assert recovered.fragments[1].version == core.fragments[1].version - 1  # the round before the damaged one
     # the learner's push of the lost round is merged again; the directory is consistent again afterwards
-    again = push(recovered, "a", session, 4)
+    again = push_value(recovered, "a", session, 4)
     assert again.accepted and len(recovered.poll()) == 1
     restarted = make_core(tmp_path)
     assert restarted.restore() and restarted.fragments[1].version == recovered.fragments[1].version
@@ -186,7 +179,7 @@ def test_a_full_state_directory_is_logged_shown_and_retried_without_losing_a_rou
 
     monkeypatch.setattr(atomic.os, "replace", full)
     with caplog.at_level(logging.ERROR, logger="diloco.syncer"):
-        push(core, "a", session, 2)
+        push_value(core, "a", session, 2)
         assert len(core.poll()) == 1  # the round is closed and published all the same
     assert core.fragments[1].version == 2
     assert "[Errno 28]" in core.state_error and str(tmp_path) in core.state_error
@@ -220,7 +213,7 @@ def test_an_unwritable_state_directory_marks_the_syncer_unhealthy_and_the_final_
         (out / "model.safetensors.tmp").mkdir()  # nor can the output folder take the final model
         (out / "syncer.json.tmp").mkdir()
         session = syncer.service._pool.submit(core.join, "a", SPECS).result()
-        syncer.service._pool.submit(push, core, "a", session, 1).result()
+        syncer.service._pool.submit(push_value, core, "a", session, 1).result()
         deadline = time.monotonic() + 20
         while syncer.status.get("healthy", True) and time.monotonic() < deadline:
             time.sleep(0.1)

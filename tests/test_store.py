@@ -3,13 +3,11 @@
 import pytest
 import torch
 
-from diloco.algorithm import codec
-from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
 from diloco import atomic
-from diloco.syncer.core import SyncerCore
 from diloco.syncer.at_rest.state_key import StateKey
 from diloco.syncer.at_rest.store import StateStore
+from fakes import push_value, stored_core
 
 SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "float32"), TensorSpec("w2", (5,), "float32")]
 
@@ -79,64 +77,53 @@ def test_a_crash_before_the_first_record_of_a_generation_resumes(tmp_path, monke
     assert StateStore(tmp_path).load().ledger == {"v": 1}
 
 
-def make_core(store, clock_value=100.0, **overrides):
-    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0, **overrides)
-    return SyncerCore(cfg, clock=lambda: clock_value, store=store)
-
-
-def push(core, lid, session, seq, fragment=1, value=0.5):
-    n = core.fragments[fragment].fragment.numel
-    return core.push(lid, session, seq, fragment, core.fragments[fragment].version, 4, 400,
-                     codec.encode(torch.full((n,), value), "fp32"))
-
-
 def test_restarted_core_resumes_exactly_and_merges_each_push_at_most_once(tmp_path):
-    core = make_core(StateStore(tmp_path), outer_momentum=0.9)  # momentum in use: it must come back exactly
+    core = stored_core(StateStore(tmp_path), outer_momentum=0.9)  # momentum in use: it must come back exactly
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     sa, sb = core.join("a", SPECS), core.join("b", SPECS)
     for seq in (1, 2, 3):
-        push(core, "a", sa, seq)
-        push(core, "b", sb, seq, value=0.25)
+        push_value(core, "a", sa, seq)
+        push_value(core, "b", sb, seq, value=0.25)
         core.poll()
-    push(core, "a", sa, 4)  # admitted but not merged when the syncer dies: lost with it
-    restarted = make_core(StateStore(tmp_path), outer_momentum=0.9)
+    push_value(core, "a", sa, 4)  # admitted but not merged when the syncer dies: lost with it
+    restarted = stored_core(StateStore(tmp_path), outer_momentum=0.9)
     assert restarted.restore()
     for a, b in zip(core.fragments, restarted.fragments):
         assert a.version == b.version and torch.equal(a.outer_values(), b.outer_values()) and torch.equal(a.momentum, b.momentum)
     assert restarted.rounds == core.rounds == 3 and restarted.fragments[1].pending == {}
     assert list(restarted.round_log) == list(core.round_log) and len(core.round_log) == 3  # the uptime history
     assert restarted.learners["a"].tokens_merged == core.learners["a"].tokens_merged
-    again = push(restarted, "a", sa, 3)  # merged before the crash: ignored, current values sent instead
+    again = push_value(restarted, "a", sa, 3)  # merged before the crash: ignored, current values sent instead
     assert again.accepted and again.duplicate and again.resync
-    lost = push(restarted, "a", sa, 4)  # pending at the crash: merged now
+    lost = push_value(restarted, "a", sa, 4)  # pending at the crash: merged now
     assert lost.accepted and not lost.duplicate
     assert len(restarted.poll()) == 1 and restarted.fragments[1].version == 4
 
 
 def test_history_beyond_the_restored_state_is_dropped(tmp_path):
-    core = make_core(StateStore(tmp_path))
+    core = stored_core(StateStore(tmp_path))
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     sa = core.join("a", SPECS)
-    push(core, "a", sa, 1)
+    push_value(core, "a", sa, 1)
     core.poll()
     core.store.append_round((9.9, 1, 2, 1))  # a crash right after the history line, before the state was written
-    restarted = make_core(StateStore(tmp_path))
+    restarted = stored_core(StateStore(tmp_path))
     assert restarted.restore()
     assert [e[2] for e in restarted.round_log] == [1] and StateStore(tmp_path).rounds(10) == [tuple(restarted.round_log[0])]
 
 
 def test_without_outer_momentum_only_theta_is_written_and_the_run_resumes_alike(tmp_path):
-    core = make_core(StateStore(tmp_path))  # decoupled: μ = 0
+    core = stored_core(StateStore(tmp_path))  # decoupled: μ = 0
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     sa = core.join("a", SPECS)
     for seq in (1, 2):
-        push(core, "a", sa, seq)
+        push_value(core, "a", sa, seq)
         core.poll()
     stored = StateStore(tmp_path).load().fragments[1]
     assert stored["momentum"].numel() == 0 and stored["pending_delta"].numel() == 0  # a third of the bytes
-    restarted = make_core(StateStore(tmp_path))
+    restarted = stored_core(StateStore(tmp_path))
     assert restarted.restore()
     for c in (core, restarted):  # the same next round on both: μ = 0 makes the momentum irrelevant
-        push(c, "a", sa, 3, value=0.75)
+        push_value(c, "a", sa, 3, value=0.75)
         c.poll()
     assert torch.equal(core.fragments[1].outer_values(), restarted.fragments[1].outer_values())
