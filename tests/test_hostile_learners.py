@@ -216,6 +216,29 @@ def test_counted_counters_are_on_the_tape_and_replay_agrees():
     assert rounds.counted_as(m["tokens"], m["steps"], core.cfg)[0] > m["counted"][0]
 
 
+def test_a_push_that_waited_counts_what_there_was_time_to_train_and_no_more():
+    # H steps of 600 tokens a second: a and b push fragment 1 every second; "late" pushes it after 5 s, carrying 5 H
+    # steps (its pushes waited for a result), "mallory" after 1 s claiming 50 H steps' tokens
+    core, clock = make_core(outer_momentum=0.0, outer_lr=1.0)
+    s = {x: core.join(x, SPECS) for x in ("a", "b", "late", "mallory")}
+    for seq in (1, 2, 3):
+        for lid in ("a", "b", "late", "mallory"):
+            if lid in ("a", "b") or seq == 1:
+                assert push(core, lid, s[lid], seq).accepted
+        clock.now += 1.0
+        core.poll()
+    counted = {x: core.learners[x].tokens_accepted for x in ("late", "mallory")}
+    clock.now += 2.0  # "late" last pushed fragment 1 five seconds ago, "mallory" too
+    assert push(core, "late", s["late"], 2, steps=5 * H, tokens=5 * 600).accepted
+    assert push(core, "mallory", s["mallory"], 2, steps=H, tokens=50 * 600).accepted
+    core.poll()
+    fragments = sum(1 for f in core.fragments if f.fragment.role == "params")
+    late = (core.learners["late"].tokens_accepted - counted["late"]) * fragments
+    mallory = (core.learners["mallory"].tokens_accepted - counted["mallory"]) * fragments
+    assert late == pytest.approx(5 * 600)  # counted by H alone, 4 × 600 at most: the budget would overshoot
+    assert mallory <= 4 * 600 * 5 + 1e-6  # 4 × the others' rate over its 5 s, not its 30,000 claimed
+
+
 def test_a_free_rider_sending_zeros_is_merged_with_no_weight_and_no_tokens():
     core, clock = make_core(outer_momentum=0.0, outer_lr=1.0, scale_partial_rounds=False)
     s = {x: core.join(x, SPECS) for x in ("a", "rider")}

@@ -175,7 +175,9 @@ class SyncConfig:
     steps' worth, in its weight, its round's share, its learner's expected contribution and the token budget: its
     weight tokens²/steps is then at most the square of this times an honest full contribution's. A contribution
     whose Δ is zero counts for no tokens and no weight. Honest learners with batches more than this many times
-    their peers' are bounded too."""
+    their peers' are bounded too. Toward the budget, a contribution of more than H steps counts up to this multiple of
+    what the others typically train in the time since its learner last pushed the fragment: its skipped cycles were
+    trained too."""
     max_round_ratio: float = 10.0
     """Ours (0: off). Drop a round whose merged Δ per step is over this multiple of the median of the fragment's
     recent rounds (from its 4th; a prior from the fragment's norm before), instead of publishing it: its

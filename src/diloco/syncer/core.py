@@ -360,6 +360,9 @@ class SyncerCore(Membership, RoundTiming):
                 ratio, H = self.cfg.max_counter_ratio, self.cfg.sync_every
                 counted = self.counters.plausible(credential, *counted, ratio, H)
                 carried = self.counters.plausible(credential, tokens, steps, ratio, H)[0]
+                since = max(record.pushed_at.get(fragment, record.joined_at), record.joined_at)
+                if carried < tokens:  # longer than H steps: as much as it had time to train since it last pushed it
+                    carried = max(carried, self.counters.in_time(credential, tokens, arrived - since, ratio))
         if bound is not None and per_step > bound:
             # the robust merge: merged at the typical size of other parties' steps, not refused
             factor = bound / per_step
@@ -381,6 +384,9 @@ class SyncerCore(Membership, RoundTiming):
                 fs.guard.accept(credential, per_step)
             if params and not free_ride:
                 self.counters.accept(credential, *counted)
+                if fragment in record.pushed_at and record.pushed_at[fragment] >= record.joined_at:
+                    self.counters.accept_rate(credential, carried, arrived - record.pushed_at[fragment])
+                record.pushed_at[fragment] = arrived
                 # every token trains every fragment: a shard counts its own fragments' share of each; a replacement
                 # adds only what the push it replaces did not
                 added = max(0.0, carried - (older.carried if older else 0.0))

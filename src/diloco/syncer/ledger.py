@@ -69,6 +69,9 @@ class LearnerRecord:
     """Where its push schedule starts in a synchronous mode, set at join (SyncerCore._start_position)."""
     restored_hash: str = ""
     """`session_hash` of its session when the state was saved (a restored record; the ledger holds no secret)."""
+    pushed_at: dict[int, float] = field(default_factory=dict)
+    """Per parameter fragment, when its latest accepted push of it arrived: the time its next one had to train in
+    (`Counters.in_time`). Not saved."""
     versions: dict[int, int] = field(default_factory=dict)
     """Per fragment, the version v of the published values P_v this learner holds: downlink changes start there.
     Not saved: after a restart every learner gets full values once (it may have missed what was being sent)."""

@@ -53,9 +53,23 @@ class Counters:
 
     def __init__(self):
         self.per_step = PerCredential()
+        self.per_second = PerCredential()
+        """Tokens per second of accepted contributions: tokens over the time since the same learner's push of the
+        same fragment before (every token trains every fragment)."""
 
     def accept(self, credential: str, tokens: float, steps: float) -> None:
         self.per_step.add(credential, tokens / steps)
+
+    def accept_rate(self, credential: str, tokens: float, seconds: float) -> None:
+        if seconds > 0:
+            self.per_second.add(credential, tokens / seconds)
+
+    def in_time(self, credential: str, tokens: float, seconds: float, ratio: float) -> float:
+        """`tokens` at most `ratio` × what the others typically train in `seconds`; 0 without a reference. A
+        learner whose pushes waited (a fragment's last result still out, a slow link) carries more than H steps'
+        tokens, all trained: bounded by time rather than by H, they count toward the budget."""
+        reference = self.per_second.reference(credential)
+        return min(tokens, ratio * reference * seconds) if reference is not None and ratio else 0.0
 
     def plausible(self, credential: str, tokens: float, steps: float, ratio: float, cycle: int) -> tuple[float, float]:
         """(tokens, steps) with tokens per step at most `ratio` × the others' typical and tokens at most `ratio` ×
