@@ -47,8 +47,9 @@ def ratio_rows(results: dict, margin: float) -> list[dict]:
             if reach and dp_reach and reach.get("wire_bytes"):
                 byte_ratios.append(dp_bytes_to(dp, dp_reach["tokens"]) / reach["wire_bytes"])
         if ratios:
-            trained = [results["runs"][f"{name}@{seed}"].get("tokens_trained", 0) / results["tokens"]
-                       for seed in results["seeds"] if f"{name}@{seed}" in results["runs"]]
+            budget = results.get("tokens")
+            trained = [results["runs"][f"{name}@{seed}"].get("tokens_trained", 0) / budget
+                       for seed in results["seeds"] if budget and f"{name}@{seed}" in results["runs"]]
             rows.append({"variant": name, "flags": results["variants"][name], "tokens_ratio": ratios,
                          "trained_over_budget": max(trained, default=0.0),
                          "final_minus_dp": deltas, "final": finals,

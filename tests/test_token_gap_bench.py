@@ -47,6 +47,14 @@ def test_wire_bytes_to_t_are_set_against_dps_ring_all_reduce_bytes_pro_rata():
     assert "| v | `(defaults)` | 2.00× | +0.0000 | 67× (133×) |" in token_gap.markdown(results, margin=0.05)
 
 
+def test_a_variant_that_trained_past_its_budget_is_marked_as_no_equal_token_comparison():
+    results = {**RESULTS, "tokens": 200}
+    results["runs"] = {**RESULTS["runs"], "default@1": {**RESULTS["runs"]["default@1"], "tokens_trained": 400}}
+    table = token_gap.markdown(results, margin=0.05)
+    assert "| default | `(defaults)` **trained up to 2.00× the budget: not at equal tokens** |" in table
+    assert "| slow | `--quorum 4` |" in table
+
+
 def test_the_table_says_when_a_seed_never_reached_t():
     table = token_gap.markdown(RESULTS, margin=0.05)
     assert "| default | `(defaults)` | 1.75 (1.50–2.00)× |" in table
