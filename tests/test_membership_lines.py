@@ -43,6 +43,8 @@ def test_refused_joins_are_logged_with_the_reason_and_counted_in_the_status(sync
         Learner(net(width=9), GrpcTransport(syncer.address, token="s3cret", connect_timeout=5), "b")
     wait_for(lambda: len(syncer.status.get("refusals", {})) >= 2)
     assert syncer.status["refusals"] == {"join: wrong or missing run token": 1, "join: model mismatch": 1}
+    exposition = syncer.service.metrics.exposition().decode()
+    assert 'diloco_refusals_total{reason="join: model mismatch"} 1.0' in exposition
     (token,) = lines(caplog, "refused the join of learner 'mallory'")
     assert "wrong or missing run token" in token
     (model,) = lines(caplog, "refused the join of learner 'b'")

@@ -104,7 +104,13 @@ class SyncerMetrics:
 
     def refused(self, reason: str) -> None:
         """Count one refusal under a bounded label (see reason_label)."""
-        label = reason_label(reason)
+        self._count(reason_label(reason))
+
+    def refused_join(self, reason: str) -> None:
+        """Count one refused join under its reason, "join: …", a label bounded already (join_refusals.join_reason)."""
+        self._count(reason)
+
+    def _count(self, label: str) -> None:
         if label not in self._reasons:
             if len(self._reasons) >= MAX_REASONS:
                 label = "other"

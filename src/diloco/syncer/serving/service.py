@@ -269,8 +269,9 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
             await replies.aclose()  # a join cut short gives back what it did not send, now
 
     async def _refused_join(self, learner_id: str, details: str) -> None:
-        """A refused join, logged and counted in /status `refusals` (join_refusals.py)."""
+        """A refused join, logged and counted in /status `refusals` and /metrics `diloco_refusals` (join_refusals.py)."""
         reason = self._join_refusals.log(learner_id, details)
+        self.metrics.refused_join(reason)
         try:
             await self._ledger(self.core.refused_join, shown(learner_id), reason)
         except ShuttingDown:
