@@ -4,10 +4,10 @@ learner killed and two leaving and coming back; what it reports, and nothing of 
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from liveness import wait_for
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "benchmarks" / "syncer_load.py"
@@ -20,15 +20,6 @@ def running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_until(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 @pytest.mark.slow
@@ -58,4 +49,4 @@ def test_a_small_real_run_shape_is_measured_and_leaves_nothing_running(tmp_path)
     assert len(r["rss_over_time"]) >= 5 and all(rss[0] > 0 for _, rss in r["rss_over_time"])
     assert r["syncer_peak_rss_bytes"][0] > 0 and r["provenance"]["settings"]["learners"] == 6
     pids = [*r["pids"]["syncers"], *r["pids"]["clients"], r["pids"]["probe"]]
-    assert wait_until(lambda: not any(running(pid) for pid in pids), 60), [p for p in pids if running(p)]
+    wait_for(lambda: not any(running(pid) for pid in pids), timeout=60)
