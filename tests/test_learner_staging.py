@@ -10,7 +10,7 @@ from torch import nn
 
 from diloco import Learner, for_mode
 from diloco.algorithm import codec
-from diloco.learner.staging import DeltaArena, LiveValues, Snapshot, StagedDelta
+from diloco.learner.staging import BufferRing, LiveValues, Snapshot, StagedDelta
 from diloco.learner.transport import Arrival, Receiver
 from diloco.syncer.downlink import tensor_checksum
 from diloco.wire import diloco_pb2 as pb
@@ -23,30 +23,26 @@ def test_a_staged_delta_is_base_minus_values_rounded_to_bf16():
     tensors = [torch.randn(3000), torch.randn(40, 50).to(torch.bfloat16)]
     base = torch.cat([t.float().reshape(-1) for t in tensors]) + 0.01 * torch.randn(5000)
     exact = base - torch.cat([t.float().reshape(-1) for t in tensors])
-    arena = DeltaArena(8000)
-    staged = StagedDelta(base, tensors, arena)
+    ring = BufferRing(20000)
+    staged = StagedDelta(base, tensors, ring)
     assert staged.values.dtype == torch.bfloat16 and staged.values.numel() == 5000
     assert torch.equal(staged.values, exact.to(torch.bfloat16))
-    other = StagedDelta(base, tensors, arena)  # the arena is lent: a buffer of its own
-    assert other.values.data_ptr() != staged.values.data_ptr()
-    lent_memory = staged.values.data_ptr()
+    other = StagedDelta(base, tensors, ring)  # both in flight: spans that do not overlap
+    assert abs(other.values.data_ptr() - staged.values.data_ptr()) >= 5000 * 2
     staged.release()
-    assert staged.values is None
-    again = StagedDelta(base[:100], [tensors[0][:100]], arena)  # given back: lent again, the same memory
-    assert again.values.data_ptr() == lent_memory
+    other.release()
+    assert staged.values is None and not ring.lent
+    again = StagedDelta(base[:100], [tensors[0][:100]], ring)  # given back: cut from the same ring again
+    assert again.values.data_ptr() == ring.buffer.data_ptr()
 
 
-def test_the_arena_lends_one_buffer_at_a_time_and_only_up_to_its_size():
-    arena = DeltaArena(100)
-    first, lent = arena.take(60)
-    assert lent and first.numel() == 60
-    second, lent2 = arena.take(10)
-    assert not lent2 and second.data_ptr() != first.data_ptr()
-    arena.give_back()
-    third, lent3 = arena.take(100)
-    assert lent3 and third.data_ptr() == first.data_ptr()
-    arena.give_back()
-    assert arena.take(101)[1] is False  # larger than the arena: never lent
+def test_a_kept_delta_outlives_its_encoding_and_is_given_back_at_its_apply():
+    ring = BufferRing(1000)
+    kept = StagedDelta(torch.ones(100), [torch.zeros(100)], ring, kept=True)
+    kept.release()  # encoded: the apply still reads it
+    assert torch.equal(kept.values, torch.ones(100, dtype=torch.bfloat16)) and len(ring.lent) == 1
+    kept.drop()
+    assert kept.values is None and not ring.lent
 
 
 def test_live_values_read_across_tensor_boundaries():
@@ -106,7 +102,7 @@ def test_int4_pushes_stage_delta_in_bf16_and_encode_within_int4_error():
         half_step = (blocks.abs().amax(dim=1, keepdim=True) / 14).expand_as(blocks).reshape(-1)[:exact.numel()]
         assert ((decoded - exact).abs() <= half_step * (1 + 2**-7) + exact.abs() * 2**-8 + 1e-9).all()
         assert job.staged is None  # released once encoded
-    assert not learner._arena._lent
+    assert not learner._deltas.lent  # every span given back once encoded
 
 
 @pytest.mark.parametrize("overrides", [dict(keep_overlap=True, codec="fp32"), dict(keep_overlap=False, codec="fp32")])
@@ -119,7 +115,7 @@ def test_pushes_that_need_exact_local_values_keep_an_fp32_snapshot(overrides):
 
 def test_keep_overlap_reads_the_values_at_the_push_back_from_a_kept_staged_delta():
     learner, transport, model = trained_learner(keep_overlap=True, codec="int4")
-    assert transport.jobs and not learner._arena._lent  # kept Δs have buffers of their own
+    assert transport.jobs and learner._deltas.lent  # kept Δs hold their spans until their apply
     for job, exact in zip(transport.jobs, transport.exact):
         slot = learner._slot[job.fragment]
         staged, base = job.staged, job.base

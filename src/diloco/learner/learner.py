@@ -23,7 +23,7 @@ from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restor
 from diloco.learner.initial import InitialModel
 from diloco.learner.island import Island
 from diloco.learner.model_tensors import ModelTensors, checked_state
-from diloco.learner.staging import (DeltaArena, BufferRing, LiveValues, Scratch, Snapshot, StagedDelta, kept_progress,
+from diloco.learner.staging import (BufferRing, LiveValues, Scratch, Snapshot, StagedDelta, kept_progress,
                                     snapshot, to_device)
 from diloco.learner.transport import Arrival, PushJob, Receiver, SyncerError, Transport
 from diloco.algorithm.schedule import due
@@ -179,10 +179,9 @@ class Learner:
         receiver = getattr(self.transport, "receiver", None) if self.leader else None
         self._receiver: Receiver | None = receiver if isinstance(receiver, Receiver) else None
         """Where merged values are decoded (None for a transport without one: its values never change in place)."""
-        self._arena = DeltaArena(max((s.fragment.numel for s in self.slots), default=0))
         total = sum(s.fragment.numel for s in self.slots)
-        self._kept = BufferRing(total)
-        """Where kept Δs are staged (CPU, int4): reused once it has held a cycle of the fragments."""
+        self._deltas = BufferRing(total)
+        """Where Δs are staged (CPU, int4): reused once it has held a cycle of the fragments."""
         self._pinned = BufferRing(total, torch.float32, pinned=True) if self.device.type == "cuda" else None
         """Where a CUDA model's snapshots are copied to the host, until encoded."""
         self._scratch, self._stage_scratch = Scratch(), Scratch()
@@ -347,7 +346,7 @@ class Learner:
         if finishing and not self.sharded:
             taken = LiveValues(local)
         elif not self.sharded and self.device.type == "cpu" and self.config.codec == "int4":
-            staged = StagedDelta(slot.base, local, self._arena, self._kept if keep else None, self._stage_scratch)
+            staged = StagedDelta(slot.base, local, self._deltas, keep, self._stage_scratch)
         else:
             taken = snapshot(local, self._pinned)
         if slot.pushed is not None and isinstance(slot.pushed[0], StagedDelta):

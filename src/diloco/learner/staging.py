@@ -1,7 +1,7 @@
 """Fragment copies between the model's device and host memory that never make the training thread wait.
 
 On a CPU model pushed as int4 the training thread writes Δ = base − θ itself, rounded to bf16, into a reused buffer:
-one (`DeltaArena`) when the overlap is not kept, a ring (`BufferRing`) when each Δ is kept until its fragment's apply.
+cut from one ring (`BufferRing`), given back once encoded or, when the overlap is kept, at its fragment's apply.
 Half the memory of an fp32 copy, and after one cycle of the fragments no allocation and no page faults of fresh
 memory on the training thread: staging and applies reuse their chunk buffers too (`Scratch`). bf16 keeps 8 significant bits, so its rounding (at most 2^-9 of each value) is far
 below int4's quantisation step (1/7 of a block's largest value). Otherwise a snapshot is a plain fp32 copy. On CUDA
@@ -122,31 +122,6 @@ class LiveValues:
         return self.read(0, sum(t.numel() for t in self.tensors))
 
 
-class DeltaArena:
-    """One bf16 buffer the size of the largest fragment, lent to one staged Δ at a time (the sender encodes a push
-    long before the next big one is due); a Δ staged while it is lent gets a buffer of its own."""
-
-    def __init__(self, numel: int):
-        self.numel = numel
-        self._buffer: torch.Tensor | None = None
-        self._lent = False
-        self._lock = threading.Lock()
-
-    def take(self, numel: int) -> tuple[torch.Tensor, bool]:
-        """(a flat bf16 tensor of `numel` values, whether it is the arena's and must be given back)."""
-        with self._lock:
-            if not self._lent and numel <= self.numel:
-                if self._buffer is None:
-                    self._buffer = torch.empty(self.numel, dtype=torch.bfloat16)
-                self._lent = True
-                return self._buffer[:numel], True
-        return torch.empty(numel, dtype=torch.bfloat16), False
-
-    def give_back(self) -> None:
-        with self._lock:
-            self._lent = False
-
-
 class Scratch:
     """fp32 chunk buffers an apply reuses (kept_progress): allocated the first time they are needed."""
 
@@ -163,7 +138,8 @@ class Scratch:
 
 class BufferRing:
     """One flat buffer that staged values are cut from, taken in push order and mostly given back in that order:
-    kept Δs (bf16, CPU), each kept from its push to its fragment's apply `overlap` steps later, and a CUDA model's
+    staged Δs (bf16, CPU), each kept until encoded or, with keep-overlap, until its fragment's apply `overlap`
+    steps later, and a CUDA model's
     host copies of its snapshots (fp32, pinned), each kept until the sender has encoded it. Once the ring has held
     one cycle of the fragments nothing is allocated. A take that finds no room replaces the ring by one twice as
     large (what is still in the old one keeps it alive until given back), up to `limit` values, the fragments' sum:
@@ -221,19 +197,15 @@ class BufferRing:
 
 
 class StagedDelta:
-    """Δ = base − θ of one fragment at one step, as flat bf16 values; `release()` once encoded. A `kept` Δ has a
-    buffer of its own and outlives its encoding: keep-overlap reads θ at the push back from it (base − Δ) when the
+    """Δ = base − θ of one fragment at one step, as flat bf16 values cut from a ring; `release()` once encoded. A
+    `kept` Δ outlives its encoding (`drop()` at its apply): keep-overlap reads θ at the push back from it (base − Δ) when the
     merged fragment is applied, at half the memory of an fp32 snapshot."""
 
-    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], arena: DeltaArena, kept: BufferRing | None = None,
+    def __init__(self, base: torch.Tensor, tensors: list[torch.Tensor], ring: BufferRing, kept: bool = False,
                  scratch: Scratch | None = None):
-        self.kept = kept is not None
-        self._ring, self._token = kept, None
-        if kept is not None:
-            (self.values, self._token), self._lent = kept.take(base.numel()), False
-        else:
-            self.values, self._lent = arena.take(base.numel())
-        self._arena = arena
+        self.kept = kept
+        self._ring = ring
+        self.values, self._token = ring.take(base.numel())
         offset = 0
         wide = (scratch if scratch is not None else Scratch()).get(0, min(STAGE_CHUNK, base.numel()))
         with torch.no_grad():
@@ -247,16 +219,13 @@ class StagedDelta:
                 offset += flat.numel()
 
     def release(self) -> None:
-        """The values are no longer needed (their payload is made): the arena may lend its buffer again. A kept Δ
-        stays until the learner drops it on apply."""
-        if self.kept:
-            return
-        if self._lent:
-            self._arena.give_back()
-        self.values, self._lent = None, False
+        """The values are no longer needed (their payload is made): their span of the ring may be cut again. A kept
+        Δ stays until the learner drops it on apply."""
+        if not self.kept:
+            self.drop()
 
     def drop(self) -> None:
-        """A kept Δ once applied: its span of the ring may be cut again."""
+        """Give the values' span back (a kept Δ once applied)."""
         if self._ring is not None:
             self._ring.give_back(self._token)
         self.values, self._ring, self._token = None, None, None
