@@ -53,10 +53,16 @@ def machine() -> dict:
     return info
 
 
+def invocation() -> str:
+    """How this process was started: `python -m benchmarks.<study>.<script>`, or the script's name."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return f"python -m {spec.name}" if spec is not None else Path(sys.argv[0]).name
+
+
 def provenance(settings) -> dict:
     """The provenance record of a run with `settings` (an argparse Namespace or a dict)."""
     values = vars(settings) if hasattr(settings, "__dict__") else dict(settings)
-    return {"commit": commit(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    return {"commit": commit(), "command": " ".join([invocation(), *sys.argv[1:]]),
             "settings": {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
                          for k, v in values.items()},
             "machine": machine(), "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -1,5 +1,5 @@
-"""What many tests share: a clock set by hand, the smallest model a run takes, and a syncer core with a durable
-store."""
+"""What many tests share: a clock set by hand, the smallest model a run takes, a syncer core with a durable store,
+and /status documents made by hand."""
 
 import torch
 from torch import nn
@@ -41,3 +41,15 @@ def push_value(core, lid, session, seq, fragment=1, value=0.5):
     n = core.fragments[fragment].fragment.numel
     return core.push(lid, session, seq, fragment, core.fragments[fragment].version, 4, 400,
                      codec.encode(torch.full((n,), value), "fp32"))
+
+
+def status_at(t: float, learners=(), rounds=(), evals=(), faults=()) -> dict:
+    """A syncer's /status as it reads `t` seconds after its start (what the dashboard's history samples)."""
+    return {"uptime_seconds": t, "started_unix": 1000.0, "rounds": int(t), "tokens_trained": int(10 * t),
+            "tokens_merged": int(5 * t), "learners": list(learners), "recent_rounds": list(rounds),
+            "global_eval": list(evals), "faults": list(faults)}
+
+
+def learner(name: str, step: int, loss=2.0, rate=100.0, state="live") -> dict:
+    """One learner's row of /status."""
+    return {"id": name, "state": state, "step": step, "loss": loss, "tokens_per_second": rate}

@@ -1,4 +1,4 @@
-"""One FSDP2-sharded learner of 2 CPU ranks (gloo), started by tests/test_islands_integ.py under torchrun.
+"""One FSDP2-sharded learner of 2 CPU ranks (gloo), started by tests/e2e/test_islands_integ.py under torchrun.
 
 It joins a run whose global model another learner set, checks that every rank's shards hold exactly those values,
 trains, and writes what it saw to argv[2] (rank 0)."""

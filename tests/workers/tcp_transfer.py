@@ -1,4 +1,4 @@
-"""A TCP transfer for tests/test_links.py, run inside a network namespace with `ip netns exec`.
+"""A TCP transfer for tests/e2e/test_links.py, run inside a network namespace with `ip netns exec`.
 
     tcp_transfer.py sink HOST       listen on HOST (any port), print the port, count one connection's bytes until
                                     its sender half-closes, answer the count

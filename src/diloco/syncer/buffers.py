@@ -2,7 +2,7 @@
 
 A large tensor allocated afresh is mapped from the operating system and page-faults on its first write: about
 2 GB/s here, against 10+ GB/s for memory written before. Without reuse that was a third of an RDA merge's time
-(`benchmarks/syncer_throughput.py`). At most `limit_bytes` of free buffers are kept; the rest is released.
+(`benchmarks/syncer/throughput.py`). At most `limit_bytes` of free buffers are kept; the rest is released.
 """
 
 from __future__ import annotations

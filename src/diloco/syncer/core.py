@@ -57,7 +57,7 @@ RECENT_ROUNDS = 300
 REUSED_FRAGMENTS = 1
 """Free buffers kept for reuse, in sizes of the largest fragment: one embedding fragment's worth holds the few
 smaller buffers a round of any other fragment needs. 3 (before) held 0.45 F more at GPT-2's peak for pushes that
-went no faster (1.08 against 1.06 GB/s through SyncerCore, benchmarks/syncer_throughput.py)."""
+went no faster (1.08 against 1.06 GB/s through SyncerCore, benchmarks/syncer/throughput.py)."""
 log = logging.getLogger("diloco.syncer")
 ROUND_LOG_KEPT = 1_000_000  # rounds kept in memory (about 50 MB): days of a fast run
 

@@ -1,7 +1,7 @@
 """Optional zstd compression of int4/int8 payloads on the wire (`SyncConfig.wire_compression`).
 
 Quantised outer gradients and changes are nearly uniform within their blocks, so zstd takes 5–17% off them
-(`benchmarks/payload_entropy.py`); fp32 and bf16 payloads (joins, full values) are sent as they are. The CRC-32
+(`benchmarks/links/payload_entropy.py`); fp32 and bf16 payloads (joins, full values) are sent as they are. The CRC-32
 of a payload stays that of its uncompressed bytes, checked after decompression. What arrives compressed is
 untrusted: it must decompress to exactly the size its codec and value count give, or it is refused before more is
 allocated (a small frame claiming gigabytes is a classic attack)."""

@@ -27,7 +27,7 @@ which no single party moves alone.
   merged, against 96–98% of honest learners' weight.
 
 Measured before it was built (docs/results.md, "Hostile learners"; tiny model, one learner in four hostile,
-`benchmarks/results/direction_cosines_tiny.json`): honest contributions have a median cosine of about 0.45 with r
+`benchmarks/hostile/results/direction_cosines_tiny.json`): honest contributions have a median cosine of about 0.45 with r
 (5–10% below 0), a sign-flipping learner's −0.43 (88% below 0), one pushing noise 0.00, replays of its own pushes
 from ten pushes back 0.01. Memory: the fragment's numel in bf16 per parameter fragment (not persisted: a restarted
 syncer warms up again), and O(1) per credential.

@@ -1,0 +1,120 @@
+"""The syncer's memory against the number of learners, with real `Learner`s over gRPC, by part at its peak.
+
+    python -m benchmarks.syncer.memory_learners --learners 2 8 --steps 200 --json runs/syncer-memory-learners.json
+
+For each M: a `diloco syncer` process (decoupled defaults), and M `Learner`s in this process on one model of
+--params values in 24 equal tensors (one per fragment), stepped in turn with a small change per step, then
+finished (every learner flushes what it has left at once, as at the end of a run). A thread reads the syncer's
+/status every 50 ms; reported per M: the syncer's peak RSS (VmHWM) and its parts (`memory` in /status:
+docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in MiB and as multiples of the fp32
+model. The learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer
+is what this measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from diloco import GrpcTransport, Learner
+from benchmarks.provenance import stamped
+from benchmarks.syncer.load import Model, free_port  # the same model shapes as the load benchmark
+
+
+def proc_mib(pid: int, field: str) -> float:
+    return next(int(line.split()[1]) / 1024 for line in open(f"/proc/{pid}/status") if line.startswith(field))
+
+
+def measure(learners: int, params: float, steps: int, syncer_flags: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        grpc_port, http_port = free_port(), free_port()
+        state = Path(folder) / "state"
+        syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--listen", f"127.0.0.1:{grpc_port}",
+                                   "--http", f"127.0.0.1:{http_port}", "--learners", str(learners), "--state",
+                                   str(state), *syncer_flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while not (state / "ready.json").exists():
+                if syncer.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the syncer did not start")
+                time.sleep(0.1)
+            baseline = proc_mib(syncer.pid, "VmHWM")
+            peak: dict = {"rss": 0}
+            phase = ["join"]
+            done = threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    try:
+                        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
+                            mem = json.loads(r.read()).get("memory", {})
+                        if mem.get("rss", 0) > peak["rss"]:
+                            peak.clear()
+                            peak.update(mem, phase=phase[0])
+                    except OSError:
+                        pass
+                    time.sleep(0.05)
+
+            threading.Thread(target=sample, daemon=True).start()
+            models = [Model(params) for _ in range(learners)]
+            fp32 = 4 * sum(p.numel() for p in models[0].parameters())
+            started = time.monotonic()
+            running = [Learner(m, GrpcTransport(f"127.0.0.1:{grpc_port}"), f"l{i}") for i, m in enumerate(models)]
+            phase[0] = "steps"
+            for _ in range(steps):
+                for m, learner in zip(models, running):
+                    with torch.no_grad():
+                        for p in m.parameters():
+                            p.add_(1e-4)
+                    learner.step(1024)
+            phase[0] = "finish"
+            for learner in running:
+                learner.finish()
+            time.sleep(1.0)  # a last sample after the flush
+            done.set()
+            hwm = proc_mib(syncer.pid, "VmHWM")
+        finally:
+            syncer.terminate()
+            syncer.wait(60)
+    mib = 2**20
+    parts = {k: round(v / mib, 1) for k, v in peak.items() if k not in ("rss", "phase")}
+    return {"learners": learners, "model_mib": round(fp32 / mib, 1), "baseline_rss_mib": round(baseline, 1),
+            "peak_rss_mib": round(hwm, 1), "peak_over_model": round(hwm * mib / fp32, 2),
+            "peak_above_baseline_over_model": round((hwm - baseline) * mib / fp32, 2),
+            "parts_at_peak_mib": parts, "peak_phase": peak.get("phase"), "seconds": round(time.monotonic() - started)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--learners", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--params", type=float, default=1.7e7, help="model values (24 equal tensors)")
+    p.add_argument("--steps", type=int, default=200, help="inner steps of every learner before it finishes")
+    p.add_argument("--syncer-flags", default="", help="extra `diloco syncer` flags")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    for m in args.learners:
+        results.append(measure(m, args.params, args.steps, args.syncer_flags.split()))
+        r = results[-1]
+        print(f"M = {m:3d}: peak RSS {r['peak_rss_mib']:.0f} MiB = {r['peak_over_model']:.2f}× the model "
+              f"({r['model_mib']:.0f} MiB), {r['peak_above_baseline_over_model']:.2f}× above the syncer's idle "
+              f"{r['baseline_rss_mib']:.0f} MiB; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}",
+              flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(stamped({"learners": results}, args), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
