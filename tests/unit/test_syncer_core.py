@@ -795,3 +795,34 @@ def test_answers_computed_before_a_rejoin_are_not_delivered_to_the_new_session()
     core.join("a", SPECS)
     service.deliver(answers)
     assert service._queue("a").qsize() == 0
+
+
+def test_the_budget_counts_what_was_trained_between_pushes_when_applies_restart_a_learners_counters():
+    # published to every live learner, a learner applies each fragment between its own pushes of it, and its
+    # counters run from that apply: its second pushes carry 100 tokens of the 600 it trained since its first
+    core, _ = make_core(publish_to="live", down_codec="fp32", max_counter_ratio=0.0)
+    core.token_budget = 10_000
+    a = core.join("a", SPECS)
+    for fragment in range(3):  # every token trains every fragment
+        assert push(core, "a", a, 1 + fragment, fragment=fragment, tokens=600).accepted
+    core.heartbeat("a", a, tokens_trained=600)
+    for fragment in range(3):
+        assert push(core, "a", a, 4 + fragment, fragment=fragment, tokens=100).accepted
+    core.heartbeat("a", a, tokens_trained=1200)
+    assert core.budget_tokens() == 1200  # was 1000: the counters' 700 and two cycles of 25 tokens a step
+
+
+def test_a_claim_stands_for_a_push_only_as_far_as_the_time_it_had_allows():
+    core, clock = make_core(max_counter_ratio=4.0)
+    sessions = {lid: core.join(lid, SPECS) for lid in ("a", "b")}
+    for lid in ("a", "b"):  # both push every fragment, 400 tokens in 4 steps, one second apart
+        for fragment in range(3):
+            assert push(core, lid, sessions[lid], 1 + fragment, fragment=fragment).accepted
+    clock.now += 1.0
+    core.heartbeat("a", sessions["a"], tokens_trained=10**9)  # a claims a billion tokens trained in that second
+    core.heartbeat("b", sessions["b"], tokens_trained=400)
+    for lid in ("a", "b"):
+        for fragment in range(3):
+            assert push(core, lid, sessions[lid], 4 + fragment, fragment=fragment).accepted
+    # b trains about 400 tokens a second: a's second pushes stand for at most 4× that, however much it claims
+    assert core.learners["a"].tokens_accepted <= 400 + 4 * 400 + 1

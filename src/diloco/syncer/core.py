@@ -356,11 +356,11 @@ class SyncerCore(Membership, RoundTiming):
             free_ride = bool(self.cfg.max_counter_ratio and norms is not None and not any(norms))
             if free_ride:  # no progress at all, whatever it claims: it counts for no tokens and has no weight
                 counted, carried = (0.0, counted[1]), 0.0
-            elif params:
+            since = max(record.pushed_at.get(fragment, record.joined_at), record.joined_at)
+            if params and not free_ride:
                 ratio, H = self.cfg.max_counter_ratio, self.cfg.sync_every
                 counted = self.counters.plausible(credential, *counted, ratio, H)
                 carried = self.counters.plausible(credential, tokens, steps, ratio, H)[0]
-                since = max(record.pushed_at.get(fragment, record.joined_at), record.joined_at)
                 if carried < tokens:  # longer than H steps: as much as it had time to train since it last pushed it
                     carried = max(carried, self.counters.in_time(credential, tokens, arrived - since, ratio))
         if bound is not None and per_step > bound:
@@ -388,8 +388,12 @@ class SyncerCore(Membership, RoundTiming):
                     self.counters.accept_rate(credential, carried, arrived - record.pushed_at[fragment])
                 record.pushed_at[fragment] = arrived
                 # every token trains every fragment: a shard counts its own fragments' share of each; a replacement
-                # adds only what the push it replaces did not
-                added = max(0.0, carried - (older.carried if older else 0.0))
+                # adds only what the push it replaces did not. A learner that applied this fragment since its last
+                # push of it (results published to every live learner) restarted its counters: what it claims to
+                # have trained since then stands for the push too, bounded by the time it had
+                added = max(0.0, carried - (older.carried if older else 0.0), self._claimed_since(
+                    record, credential, fragment, arrived - since))
+                record.claimed_at[fragment] = record.tokens_trained
                 record.tokens_accepted += added / max(1, sum(1 for f in self.owned if f.fragment.role == "params"))
                 record.last_push = (arrived, fragment)  # its phase in the push schedule, for predicting the next
                 record.step_tokens = counted[0] / counted[1] if counted[1] else 0.0
@@ -432,6 +436,16 @@ class SyncerCore(Membership, RoundTiming):
                 avg = self.averages()
                 self._note_quorum(fs, *self._decide(fragment, fs, self.live(), avg, arrived), avg)
         return PushResult(True)
+
+    def _claimed_since(self, record: LearnerRecord, credential: str, fragment: int, seconds: float) -> float:
+        """Tokens `record`'s heartbeats claim it trained since its latest accepted push of `fragment` (0 before its
+        first), at most what it had time to train in those `seconds` when declared counters are bounded
+        (`Counters.in_time`). Under the lock."""
+        if fragment not in record.claimed_at:
+            return 0.0
+        claimed = float(max(0, record.tokens_trained - record.claimed_at[fragment]))
+        ratio = self.cfg.max_counter_ratio
+        return self.counters.in_time(credential, claimed, seconds, ratio) if ratio else claimed
 
     def _refuse(self, record: LearnerRecord, delta: torch.Tensor, reason: str, message: str) -> PushResult:
         """Refuse a decoded contribution (the lock held): its buffer back, the refusal counted, a resync."""

@@ -72,6 +72,10 @@ class LearnerRecord:
     pushed_at: dict[int, float] = field(default_factory=dict)
     """Per parameter fragment, when its latest accepted push of it arrived: the time its next one had to train in
     (`Counters.in_time`). Not saved."""
+    claimed_at: dict[int, int] = field(default_factory=dict)
+    """Per parameter fragment, `tokens_trained` (its heartbeats' claim) when its latest accepted push of it arrived:
+    the tokens its next push of it stands for when applying merged values in between restarted the push's own
+    counters (`SyncConfig.publish_to` live). Not saved."""
     versions: dict[int, int] = field(default_factory=dict)
     """Per fragment, the version v of the published values P_v this learner holds: downlink changes start there.
     Not saved: after a restart every learner gets full values once (it may have missed what was being sent)."""
