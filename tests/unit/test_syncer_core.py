@@ -803,12 +803,12 @@ def test_the_budget_counts_what_was_trained_between_pushes_when_applies_restart_
     core, _ = make_core(publish_to="live", down_codec="fp32", max_counter_ratio=0.0)
     core.token_budget = 10_000
     a = core.join("a", SPECS)
+    core.heartbeat("a", a, tokens_trained=600)
     for fragment in range(3):  # every token trains every fragment
         assert push(core, "a", a, 1 + fragment, fragment=fragment, tokens=600).accepted
-    core.heartbeat("a", a, tokens_trained=600)
+    core.heartbeat("a", a, tokens_trained=1200)
     for fragment in range(3):
         assert push(core, "a", a, 4 + fragment, fragment=fragment, tokens=100).accepted
-    core.heartbeat("a", a, tokens_trained=1200)
     assert core.budget_tokens() == 1200  # was 1000: the counters' 700 and two cycles of 25 tokens a step
 
 
@@ -821,8 +821,28 @@ def test_a_claim_stands_for_a_push_only_as_far_as_the_time_it_had_allows():
     clock.now += 1.0
     core.heartbeat("a", sessions["a"], tokens_trained=10**9)  # a claims a billion tokens trained in that second
     core.heartbeat("b", sessions["b"], tokens_trained=400)
-    for lid in ("a", "b"):
+    for lid in ("b", "a"):  # b's second pushes give the others' typical speed: 400 tokens a second
         for fragment in range(3):
             assert push(core, lid, sessions[lid], 4 + fragment, fragment=fragment).accepted
-    # b trains about 400 tokens a second: a's second pushes stand for at most 4× that, however much it claims
-    assert core.learners["a"].tokens_accepted <= 400 + 4 * 400 + 1
+    # a's second pushes vouch for at most 4× b's 400 tokens a second, however much it claims
+    assert core.learners["a"].tokens_backed == pytest.approx(4 * 400)
+    assert core.budget_tokens() == pytest.approx(4 * 400 + 2 * 6 * 100 + 400)  # a's, with two cycles; b's
+
+
+def test_pushes_of_one_fragment_vouch_for_all_a_learner_trained_and_the_vouching_survives_a_restart(tmp_path):
+    # a learner whose other fragments wait on their last results pushes one fragment only: its claims still count
+    from diloco.syncer.at_rest.store import StateStore
+
+    core, clock = make_core(publish_to="live", down_codec="fp32", max_counter_ratio=0.0)
+    core.token_budget, core.store = 100_000, StateStore(tmp_path)
+    a = core.join("a", SPECS)
+    for seq in range(1, 6):
+        clock.now += 1.0
+        core.heartbeat("a", a, tokens_trained=1000 * seq)
+        assert push(core, "a", a, seq, fragment=1, tokens=100).accepted
+    assert core.budget_tokens() == 5000  # the counters alone: 500 tokens over three fragments
+    core.poll(force=True)
+    core.persist(range(len(core.fragments)))
+    resumed, _ = make_core(publish_to="live", down_codec="fp32", max_counter_ratio=0.0)
+    resumed.store, resumed.token_budget = StateStore(tmp_path), 100_000
+    assert resumed.restore() and resumed.budget_tokens() == 5000

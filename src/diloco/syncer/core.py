@@ -388,13 +388,10 @@ class SyncerCore(Membership, RoundTiming):
                     self.counters.accept_rate(credential, carried, arrived - record.pushed_at[fragment])
                 record.pushed_at[fragment] = arrived
                 # every token trains every fragment: a shard counts its own fragments' share of each; a replacement
-                # adds only what the push it replaces did not. A learner that applied this fragment since its last
-                # push of it (results published to every live learner) restarted its counters: what it claims to
-                # have trained since then stands for the push too, bounded by the time it had
-                added = max(0.0, carried - (older.carried if older else 0.0), self._claimed_since(
-                    record, credential, fragment, arrived - since))
-                record.claimed_at[fragment] = record.tokens_trained
+                # adds only what the push it replaces did not
+                added = max(0.0, carried - (older.carried if older else 0.0))
                 record.tokens_accepted += added / max(1, sum(1 for f in self.owned if f.fragment.role == "params"))
+                self._back_claims(record, credential, arrived)
                 record.last_push = (arrived, fragment)  # its phase in the push schedule, for predicting the next
                 record.step_tokens = counted[0] / counted[1] if counted[1] else 0.0
             record.pushes += 1
@@ -437,15 +434,17 @@ class SyncerCore(Membership, RoundTiming):
                 self._note_quorum(fs, *self._decide(fragment, fs, self.live(), avg, arrived), avg)
         return PushResult(True)
 
-    def _claimed_since(self, record: LearnerRecord, credential: str, fragment: int, seconds: float) -> float:
-        """Tokens `record`'s heartbeats claim it trained since its latest accepted push of `fragment` (0 before its
-        first), at most what it had time to train in those `seconds` when declared counters are bounded
-        (`Counters.in_time`). Under the lock."""
-        if fragment not in record.claimed_at:
-            return 0.0
-        claimed = float(max(0, record.tokens_trained - record.claimed_at[fragment]))
-        ratio = self.cfg.max_counter_ratio
-        return self.counters.in_time(credential, claimed, seconds, ratio) if ratio else claimed
+    def _back_claims(self, record: LearnerRecord, credential: str, arrived: float) -> None:
+        """An accepted push vouches for what `record`'s heartbeats claim it trained (`tokens_backed`), when declared
+        counters are bounded at most 4× (`max_counter_ratio`) what the others typically train in the time since its
+        previous accepted push (`Counters.in_time`). Under the lock."""
+        claimed, ratio = float(record.tokens_trained), self.cfg.max_counter_ratio
+        if ratio and record.backed_at is not None:
+            claimed = min(claimed, record.tokens_backed + self.counters.in_time(
+                credential, max(0.0, claimed - record.tokens_backed), arrived - record.backed_at, ratio))
+        elif ratio:  # its first push: what its own counters carried is all it vouches for
+            claimed = min(claimed, record.tokens_accepted)
+        record.tokens_backed, record.backed_at = max(record.tokens_backed, claimed), arrived
 
     def _refuse(self, record: LearnerRecord, delta: torch.Tensor, reason: str, message: str) -> PushResult:
         """Refuse a decoded contribution (the lock held): its buffer back, the refusal counted, a resync."""

@@ -72,10 +72,6 @@ class LearnerRecord:
     pushed_at: dict[int, float] = field(default_factory=dict)
     """Per parameter fragment, when its latest accepted push of it arrived: the time its next one had to train in
     (`Counters.in_time`). Not saved."""
-    claimed_at: dict[int, int] = field(default_factory=dict)
-    """Per parameter fragment, `tokens_trained` (its heartbeats' claim) when its latest accepted push of it arrived:
-    the tokens its next push of it stands for when applying merged values in between restarted the push's own
-    counters (`SyncConfig.publish_to` live). Not saved."""
     versions: dict[int, int] = field(default_factory=dict)
     """Per fragment, the version v of the published values P_v this learner holds: downlink changes start there.
     Not saved: after a restart every learner gets full values once (it may have missed what was being sent)."""
@@ -90,6 +86,14 @@ class LearnerRecord:
     tokens_accepted: float = 0.0
     """Tokens its accepted parameter pushes carried (bounded as weights are), per fragment they cover: what the
     token budget and the learning-rate progress count, never heartbeat claims alone."""
+    tokens_backed: float = 0.0
+    """Its heartbeats' claim (`tokens_trained`) as of its latest accepted parameter push, each push vouching for
+    at most what it had time to train since the one before (`SyncerCore._backed`). Counts in the budget beside
+    `tokens_accepted`: a learner that applies merged values between its pushes (results published to every live
+    learner) restarts its pushes' counters there, and one whose pushes of a fragment wait on its last result
+    pushes that fragment seldom."""
+    backed_at: float | None = None
+    """When `tokens_backed` was last raised (the clock). Not saved."""
     proof: str = ""
     """`credentials.proof` of the token its session was opened with ("" without a credentials file): a reload of
     the file, or a restart on it, closes the session once that token is no longer listed for its credential."""
@@ -99,7 +103,7 @@ class LearnerRecord:
 
     SAVED = ("id", "left", "step", "tokens_trained", "tokens_merged", "data_position", "loss",
              "tokens_per_second", "pushes", "merged", "refused", "applied", "speed", "merged_seq",
-             "credential", "tokens_accepted", "tokens_base", "steps_base")
+             "credential", "tokens_accepted", "tokens_backed", "tokens_base", "steps_base")
 
     @property
     def session_hash(self) -> str:
@@ -129,7 +133,7 @@ class LearnerRecord:
         record.restored_hash = data["session_hash"] if "session_hash" in data else session_hash(data["session"])
         if not isinstance(record.restored_hash, str):
             raise TypeError(f"session_hash of learner {record.id!r} is not a string")
-        optional = ("credential", "tokens_accepted", "tokens_base", "steps_base")  # absent from older ledgers
+        optional = ("credential", "tokens_accepted", "tokens_backed", "tokens_base", "steps_base")  # absent from older ledgers
         for k in cls.SAVED:
             if k in data or k not in optional:
                 setattr(record, k, data[k])

@@ -158,14 +158,15 @@ class Membership:
 
     def budget_tokens(self) -> int:
         """Tokens the budget and the learning-rate progress count: per learner what its heartbeats report, but never
-        more than its accepted pushes carried plus two cycles (2·H steps) at its accepted tokens per step (what it
-        trained since its latest pushes). A claim in a heartbeat alone spends nothing. Forgotten learners' count
-        as when they were forgotten."""
+        more than its accepted pushes carried, or the claims they vouched for (`LearnerRecord.tokens_backed`), plus
+        two cycles (2·H steps) at its accepted tokens per step (what it trained since its latest pushes). A claim
+        in a heartbeat alone spends nothing. Forgotten learners' count as when they were forgotten."""
         with self.lock:
             return int(self.departed["budget"] + sum(self._budget_tokens(r) for r in self.learners.values()))
 
     def _budget_tokens(self, r: LearnerRecord) -> float:
-        return min(r.tokens_trained, r.tokens_accepted + 2 * self.cfg.sync_every * r.step_tokens)
+        backed = max(r.tokens_accepted, r.tokens_backed)
+        return min(r.tokens_trained, backed + 2 * self.cfg.sync_every * r.step_tokens)
 
     def pushing(self, learners) -> frozenset[str]:
         """Those of `learners` that push: a push accepted in their current session within two cycles (H of their
