@@ -480,9 +480,7 @@ def test_over_grpc_the_absurd_counters_push_leaves_honest_learners_training():
         assert reply.accepted
         honest = Honest(syncer.address)
         core = syncer.service.core
-        deadline = time.monotonic() + 120
-        while core.fragments[1].version < 3 and honest.error is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: core.fragments[1].version >= 3 or honest.error is not None, timeout=120)
         assert honest.error is None and core.fragments[1].version >= 3
         assert all(codec.all_finite(fs.outer_values()) for fs in core.fragments)
     finally:
