@@ -288,3 +288,32 @@ def test_wrong_settings_fail_at_train_begin_with_one_line(tmp_path):
             first.close()
     finally:
         syncer.stop()
+
+
+@pytest.mark.slow
+def test_a_sigtermed_trainer_pushes_what_it_has_and_leaves_saying_so(tmp_path):
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=4, sync_every=8),
+                          ServerOptions(listen="127.0.0.1:0", http=None, out=tmp_path / "syncer"))
+    proc = None
+    try:
+        (tmp_path / "w").mkdir()  # the worker's log goes beside its folder
+        proc = worker(syncer, "alice", tmp_path / "w", "--steps", "10000", "--save-steps", "100000")
+        wait_for(lambda: {x["id"]: x for x in syncer.status.get("learners", [])}.get("alice", {}).get("merged", 0)
+                 >= 2, timeout=240)
+        proc.send_signal(signal.SIGTERM)
+        finished(proc, tmp_path / "alice.log")  # the Trainer stopped after the step: train() returned, status 0
+        wait_for(lambda: {x["id"]: x for x in syncer.status.get("learners", [])}["alice"].get("state") == "left")
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        syncer.stop()
+    events = [json.loads(line) for line in (tmp_path / "syncer" / "tape.jsonl").read_text().splitlines()]
+    last = [c for e in events if e.get("event") == "round" for c in e["contributors"]
+            if c["learner"] == "alice" and c.get("final")]
+    assert last  # its last pushes, made after the signal, were merged
+    log = (tmp_path / "alice.log").read_text()
+    assert log.count("diloco: learner alice got SIGTERM: it pushes what it has and leaves the run") == 1
+    assert log.count("diloco: learner alice left the run after") == 1
+    summary = json.loads((tmp_path / "w" / "alice.json").read_text())
+    assert 0 < summary["global_step"] < 10000

@@ -2,7 +2,8 @@
 
 At train begin the callback joins (the model's values become the global model's; H, fragments and codec come from
 the syncer), after every optimizer step it tells the learner the tokens of the micro-batches that made the step,
-it stops the Trainer when the run's budget is spent and leaves the run when training ends. Every checkpoint the
+it stops the Trainer when the run's budget is spent and leaves the run when training ends, or after the step in
+progress on SIGTERM (a scheduler stopping or preempting the job), pushing what it has. Every checkpoint the
 Trainer writes carries `diloco_learner.json` (the learner's id, its step and the fragment versions it held), so
 `trainer.train(resume_from_checkpoint=...)` rejoins the same run under the same id. Under torchrun (DDP) the
 Trainer's ranks are one learner, an island: rank 0 talks to the syncer.
@@ -14,6 +15,8 @@ per micro-batch, the attention_mask's sum, else the labels other than -100, else
 
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +54,9 @@ class DiLoCoCallback(TrainerCallback):
                                     transport_options=transport_options, learner_options=learner_options)
         self._hook = None
         self._loss: float | None = None
+        self._sigterm = False
+        self._previous_sigterm = None
+        """The SIGTERM handler before train begin, while this callback's is set."""
 
     @property
     def learner(self):
@@ -77,6 +83,28 @@ class DiLoCoCallback(TrainerCallback):
                          scheduler=lr_scheduler)
         self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._loss = None
+        self._listen_for_sigterm()
+
+    def _listen_for_sigterm(self) -> None:
+        """On SIGTERM the Trainer stops after the step in progress and the learner pushes what it has and leaves,
+        as `diloco learner` does; train() then returns. The handler that was there before is set back at the
+        signal (a second SIGTERM does what it always did) and at train end. Only the main thread can set one."""
+        self._sigterm = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._restore_sigterm()
+        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            self._sigterm = True  # acted on between steps: no logging or I/O in a signal handler
+            self._restore_sigterm()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def _count(self, module, args, kwargs):
         if module.training and self.driver.joined:
@@ -97,6 +125,14 @@ class DiLoCoCallback(TrainerCallback):
             return
         if self.driver.step(state.global_step, loss=self._loss):
             control.should_training_stop = True  # the run's token or time budget is spent
+        learner, leave = self.driver.learner, self._sigterm
+        if learner.island is not None:  # the ranks stop together, or their collectives would part ways
+            leave = learner.island.any(leave)
+        if leave and not control.should_training_stop:
+            if learner.leader:
+                lines.logger().info("learner %s got SIGTERM: it pushes what it has and leaves the run",
+                                    self.driver.learner_id)
+            control.should_training_stop = True
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def on_save(self, args, state, control, **kwargs):
@@ -125,6 +161,7 @@ class DiLoCoCallback(TrainerCallback):
             self.driver.finish() if push else self.driver.close()
         finally:
             self._remove_hook()
+            self._restore_sigterm()
 
 
 __all__ = ["DiLoCoCallback"]
