@@ -27,8 +27,11 @@ def linspace(n: int) -> torch.Tensor:
 def core_in_memory(learners: int, specs=SPECS, values: Callable[[int], torch.Tensor] = arange, fragments: int = 3,
                    **settings) -> tuple[SyncerCore, Clock]:
     """A decoupled SyncerCore of `learners` over `specs` in `fragments` fragments, each fragment's values
-    `values(numel)`, `settings` over the decoupled defaults, and the clock it reads."""
+    `values(numel)`, `settings` over the decoupled defaults, and the clock it reads. Verbatim replays are accepted
+    unless `settings` says otherwise: these tests push the same constant Δ again and again, which no learner does
+    (tests/unit/test_replayed_pushes.py tests the refusal)."""
     clock = Clock()
+    settings = {"refuse_replays": False, **settings}
     core = SyncerCore(for_mode("decoupled", learners, fragments=fragments, **settings), clock=clock)
     core.initialize(specs, [values(f.numel) for f in plan_fragments(specs, fragments)])
     return core, clock

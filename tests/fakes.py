@@ -26,11 +26,13 @@ class TinyNet(nn.Module):
 
 
 def stored_core(store, clock_value: float = 100.0, **overrides):
-    """A SyncerCore of 2 learners, 3 fragments, H = 6, fp32 pushes and no grace window, writing to `store`."""
+    """A SyncerCore of 2 learners, 3 fragments, H = 6, fp32 pushes and no grace window, writing to `store`;
+    verbatim replays accepted, as the constant pushes of `push_value` are (tests/cores.py says why)."""
     from diloco.config import for_mode
     from diloco.syncer.core import SyncerCore
 
-    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0, **overrides)
+    cfg = for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0,
+                   **{"refuse_replays": False, **overrides})
     return SyncerCore(cfg, clock=lambda: clock_value, store=store)
 
 

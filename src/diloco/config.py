@@ -19,7 +19,8 @@ REPEAT_PUSHES = ("close", "replace")
 PAPER = dict(
     keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
     delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, clip_norm_ratio=0.0,
-    max_counter_ratio=0.0, max_round_ratio=0.0, direction_floor=0.0, outer_lr=0.7,
+    max_counter_ratio=0.0, max_round_ratio=0.0, direction_floor=0.0, agreement_floor=0.0, refuse_replays=False,
+    outer_lr=0.7,
     outer_momentum=0.9, blend=0.0, staleness_decay=0.0, max_steps_ratio=0.0, error_feedback=False, down_codec="fp32",
     grace=None, grace_gamma=0.5, grace_cap_steps=1.0, rda_mean_fallback=True,
     bf16_residual=False, wire_compression="none", repeat_push="replace",
@@ -169,6 +170,18 @@ class SyncConfig:
     four hostile, three seeds): a sign flip +3.3% → +0.3% of an honest run's final loss, inner-product
     manipulation +10.3% → +2.8%, flips on two pushes in five +6.8% → +3.3%; on honest runs +0.013, −0.005 and
     −0.003 nats (two runs of one setting differed by 0.005–0.015), so it is on by default."""
+    refuse_replays: bool = True
+    """Ours. Refuse a parameter push whose payload repeats, byte for byte, one accepted for the same fragment among
+    its last 256 (a credential holder replaying old pushes as new; a resent push keeps its sequence number and is
+    a duplicate instead). Honest pushes never repeat; all-zero payloads are exempt (syncer/defences/replayed.py)."""
+    agreement_floor: float = 0.0
+    """Ours, the agreement test (0: off, the default). Merge a parameter contribution with its Δ and weight scaled by
+    s / (this × typical), at most 1 and at least 0: s is its score within its own round, the ⌈n/2⌉-th largest
+    cosine with the n contributions of other credentials there (it agrees with at least half of them), estimated
+    from a 4,096-value sketch of each Δ, and typical the median of the others' scores. Judged when three
+    credentials or more are in the round; everything passes while the others' median is under 0.05. It covers
+    what the direction test leaves open: a fragment's first rounds, before that test's reference is ready, and a
+    credential that turns against the run on fewer than half of its pushes (syncer/defences/agreement.py)."""
     max_counter_ratio: float = 4.0
     """Ours (0: off). Count a contribution's declared tokens per step as at most this multiple of what other
     credentials' accepted contributions typically declare, and its tokens as at most this multiple of their H
@@ -279,6 +292,8 @@ def validate(cfg: SyncConfig, learners: int | None = None) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be 0 (off) or a finite number ≥ 1, got {value}")
     if not 0 <= cfg.direction_floor <= 1:
         raise ValueError(f"--direction-floor must be 0 (off) or in (0, 1], got {cfg.direction_floor}")
+    if not 0 <= cfg.agreement_floor <= 1:
+        raise ValueError(f"--agreement-floor must be 0 (off) or in (0, 1], got {cfg.agreement_floor}")
     if not 0 <= cfg.norm_ceiling < math.inf:
         raise ValueError(f"norm ceiling must be a non-negative number, got {cfg.norm_ceiling}")
     if cfg.grace_expect_steps < 0:

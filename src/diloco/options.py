@@ -21,6 +21,7 @@ SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_cod
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "momentum_every", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds", "direction_floor",
+              "agreement_floor", "refuse_replays",
               "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual", "wire_compression",
               "clip_norm_ratio", "max_counter_ratio", "max_round_ratio", "repeat_push")
 
@@ -120,6 +121,13 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
                    help="direction test: merge a contribution scaled by its credential's recent cosine with the "
                         "fragment's recent steps over this fraction of other credentials' typical one, at most 1, 0 "
                         "at or below cosine 0 (0: off)")
+    g.add_argument("--refuse-replays", action=argparse.BooleanOptionalAction, default=None,
+                   help="refuse a push whose payload repeats, byte for byte, one accepted lately for its fragment "
+                        "(on)")
+    g.add_argument("--agreement-floor", type=float, metavar="FRACTION",
+                   help="agreement test: merge a contribution scaled by its agreement with the other credentials' "
+                        "contributions of its own round over this fraction of theirs with one another, at most 1 "
+                        "(0: off, the default)")
     g.add_argument("--max-counter-ratio", type=float, metavar="RATIO",
                    help="count declared tokens and tokens per step as at most this multiple of other credentials' "
                         "typical ones, in weights, shares and the budget (4; 0: off)")

@@ -35,9 +35,10 @@ def train_steps(model, opt, learner, grads, tokens=10):
             learner.step(tokens)
 
 
-TOY = dict(norm_ceiling=0.0, max_round_ratio=0.0, clip_norm_ratio=0.0)
+TOY = dict(norm_ceiling=0.0, max_round_ratio=0.0, clip_norm_ratio=0.0, refuse_replays=False)
 """A one-scalar model moved by several times its value per step: far over the outlier ceiling and the bound on a
-round's step meant for real models, and beside the arithmetic these tests check."""
+round's step meant for real models, and beside the arithmetic these tests check; fixed gradients repeat a push's
+Δ byte for byte, which the refusal of replays is for."""
 
 
 def test_one_learner_h1_unit_lr_no_momentum_is_plain_training_fixed_gradient():

@@ -1,10 +1,12 @@
 """The syncer's memory does not grow with the number of learners (docs/architecture.md, Syncer memory).
 
-Memory is measured deterministically: the bytes of every tensor storage and byte string reachable from the core."""
+Memory is measured deterministically: the bytes of every tensor storage and byte string reachable from the core.
+Each learner pushes one payload again and again, so verbatim replays are accepted here."""
 
 from collections import deque
 from dataclasses import fields, is_dataclass, replace
 
+import pytest
 import torch
 
 from diloco.algorithm import codec
@@ -55,6 +57,7 @@ def STANDING() -> float:  # noqa: N802
 
 def peak_bytes(learners: int, rounds: int = 3, **overrides) -> int:
     cfg = for_mode("decoupled", learners, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
+                   refuse_replays=False,
                    **overrides)
     core = SyncerCore(cfg, clock=STANDING)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
@@ -110,7 +113,8 @@ def test_theta_as_published_values_and_a_bf16_residual_saves_half_a_model():
 
 
 def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded():
-    cfg = for_mode("decoupled", 2, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0)
+    cfg = for_mode("decoupled", 2, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
+                   refuse_replays=False)
     core = SyncerCore(cfg)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(2)}
@@ -123,8 +127,11 @@ def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded
     assert held_bytes(core) - before <= len(payload.data) + FRAGMENT_BYTES
 
 
-def test_the_memory_report_accounts_for_what_the_core_holds():
-    cfg = for_mode("decoupled", 3, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0)
+@pytest.mark.parametrize("agreement_floor", [0.0, 0.25])  # the agreement test keeps sketches and payloads
+def test_the_memory_report_accounts_for_what_the_core_holds(agreement_floor):
+    cfg = for_mode("decoupled", 3, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
+                   refuse_replays=False,
+                   agreement_floor=agreement_floor)
     core = SyncerCore(cfg, clock=STANDING)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(3)}

@@ -18,7 +18,8 @@ SPECS = [TensorSpec("emb", (4, 2), "float32", True), TensorSpec("w1", (3, 2), "f
 def test_a_core_records_its_events_and_inspect_summarises_them(tmp_path, capsys):
     # a clock that stands still: with no grace window a round is due when its first push arrives, and a push that
     # arrives later is let in only once it is closed; at one instant both of a round's pushes are in
-    core = SyncerCore(for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0), clock=Clock())
+    core = SyncerCore(for_mode("decoupled", 2, fragments=3, sync_every=6, codec="fp32", grace=0.0,
+                               refuse_replays=False), clock=Clock())  # constant pushes repeat
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     core.tape = Tape(tmp_path / "tape.jsonl")
     sa, sb = core.join("a", SPECS), core.join("b", SPECS)
@@ -72,7 +73,7 @@ def test_round_events_feed_participation_staleness_and_round_time_metrics():
 
 def test_replay_reproduces_every_round_decision_and_weight_and_finds_a_changed_policy(tmp_path, capsys):
     clock = Clock()
-    cfg = for_mode("decoupled", 3, fragments=3, sync_every=6, codec="fp32", grace=1.0)
+    cfg = for_mode("decoupled", 3, fragments=3, sync_every=6, codec="fp32", grace=1.0, refuse_replays=False)
     core = SyncerCore(cfg, clock=clock)
     core.initialize(SPECS, [torch.arange(f.numel, dtype=torch.float32) for f in plan_fragments(SPECS, 3)])
     tape = core.tape = Tape(tmp_path / "tape.jsonl")

@@ -38,6 +38,7 @@ from diloco.syncer.membership import Membership, Refused, rejoined
 from diloco.syncer.round_timing import RoundTiming
 from diloco.syncer import downlink, persistence, phase, repeat_push, rounds
 from diloco.syncer.buffers import Buffers
+from diloco.syncer.defences import agreement, replayed
 from diloco.syncer.defences.direction_guard import DirectionGuard
 from diloco.syncer.downlink import Publication
 from diloco.syncer.fragment_state import Contribution, FragmentState
@@ -328,6 +329,10 @@ class SyncerCore(Membership, RoundTiming):
                 self.refusals[reason] = self.refusals.get(reason, 0) + 1
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
+        judged = self.cfg.agreement_floor > 0 and fs.fragment.role == "params"
+        # the agreement test's summary of Δ as sent, and the payload to fold it in anew if its round scales it down
+        sketch, encoded = (agreement.sketch(delta), payload) if judged else (None, None)
+        scale = 1.0
         check = self._close_if_due(fragment, fs, arrived)  # before its version gives this push's staleness
         staleness = fs.version - base_version
         params = fs.fragment.role == "params"
@@ -336,11 +341,16 @@ class SyncerCore(Membership, RoundTiming):
         norms = segment_norms(delta, segments(fs.fragment)) if fs.guard or method == "rda" else None
         per_step = fs.guard.per_step(math.sqrt(sum(n * n for n in norms)), steps) if fs.guard else 0.0
         fragment_norm = self.fragment_norm(fs) if fs.guard else 0.0
+        moving = any(norms) if norms is not None else bool(delta.any())
+        digest = replayed.digest(payload.data) if self.cfg.refuse_replays and params and moving else None
         with self.lock:
             credential = record.credential or learner_id
             if staleness < 0 or staleness > self.cfg.max_staleness:
                 return self._refuse(record, delta, "stale", f"contribution based on version {base_version} of fragment "
                                     f"{fragment} which is at {fs.version}: fetch the current fragment")
+            if digest is not None and digest in fs.replays:
+                return self._refuse(record, delta, "replayed", f"replayed: the payload repeats, byte for byte, one "
+                                    f"already accepted for fragment {fragment}; a push carries new progress")
             outlier = fs.guard.judge(credential, per_step, fragment_norm) if fs.guard else None
             if outlier is not None:
                 return self._refuse(record, delta, outlier.split(":")[0], f"{outlier} of fragment {fragment}")
@@ -367,6 +377,7 @@ class SyncerCore(Membership, RoundTiming):
             # the robust merge: merged at the typical size of other parties' steps, not refused
             factor = bound / per_step
             delta.mul_(factor)
+            scale *= factor
             norms, per_step, payload = [n * factor for n in norms], bound, None
         direction, cosine = 1.0, None
         if fs.direction is not None:
@@ -378,6 +389,7 @@ class SyncerCore(Membership, RoundTiming):
                 direction = fs.direction.judge(credential, cosine)
             if direction < 1.0:
                 delta.mul_(direction)
+                scale *= direction
                 norms, payload = None if norms is None else [n * direction for n in norms], None
         with self.lock:
             if fs.guard:
@@ -387,6 +399,8 @@ class SyncerCore(Membership, RoundTiming):
                 if fragment in record.pushed_at and record.pushed_at[fragment] >= record.joined_at:
                     self.counters.accept_rate(credential, carried, arrived - record.pushed_at[fragment])
                 record.pushed_at[fragment] = arrived
+                if digest is not None:
+                    fs.replays.add(digest)
                 # every token trains every fragment: a shard counts its own fragments' share of each; a replacement
                 # adds only what the push it replaces did not
                 added = max(0.0, carried - (older.carried if older else 0.0))
@@ -417,6 +431,7 @@ class SyncerCore(Membership, RoundTiming):
         # the version cannot change while the round is open, so the weight is the one the round closes with
         c.direction, c.cosine = direction, cosine
         weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay) * direction
+        c.sketch, c.encoded, c.scale, c.weight = sketch, encoded, scale, weight
         try:
             self.repeat.fold(self.buffers, fs, method, learner_id, delta, weight, norms, payload, older is not None)
         except (ArithmeticError, RuntimeError, ValueError) as e:

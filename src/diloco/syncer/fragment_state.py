@@ -13,6 +13,7 @@ from diloco.algorithm.fragments import Fragment
 from diloco.algorithm.merge import StreamingMerge
 from diloco.syncer.defences.direction_guard import DirectionGuard
 from diloco.syncer.defences.norm_guard import NormGuard
+from diloco.syncer.defences.replayed import RecentPayloads
 
 
 @dataclass
@@ -32,6 +33,18 @@ class Contribution:
     """The direction test's factor (`SyncConfig.direction_floor`): its Δ and weight were merged times this."""
     cosine: float | None = None
     """Its Δ's cosine with the fragment's recent steps, when the direction test measured one."""
+    agreement: float = 1.0
+    """The agreement test's factor (`SyncConfig.agreement_floor`), set when its round closes."""
+    agreement_score: float | None = None
+    """Its agreement with the other contributions of its round, when the agreement test measured one."""
+    sketch: torch.Tensor | None = None
+    """With the agreement test: a small summary of its Δ (syncer/defences/agreement.py)."""
+    encoded: object | None = None
+    """With the agreement test: its payload as it arrived, to fold it in anew when the test scales it down."""
+    scale: float = 1.0
+    """What its decoded Δ was multiplied by before it was folded in (the robust merge's clip, the direction test)."""
+    weight: float = 0.0
+    """The weight it was folded in with."""
     bounded: bool = False
     """Whether those bounds (or a zero Δ) lowered `counted` below what `counted_as` makes of its counters."""
     """Clock time the push was accepted (the tape records it: a replay can ask when a round could have closed)."""
@@ -72,6 +85,11 @@ class FragmentState:
     """The open round's running sums: pending contributions' Δ are folded in as they arrive, never stored (but in
     `kept`)."""
     kept: dict[str, tuple[torch.Tensor, float, list[float] | None]] = field(default_factory=dict)
+    replays: RecentPayloads = field(default_factory=RecentPayloads)
+    """Digests of the payloads accepted lately, to refuse verbatim replays (syncer/defences/replayed.py)."""
+    agreement_peers: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    """With the agreement test: credential → (version, sketch) of its latest contribution in the last
+    `agreement.PEER_ROUNDS` closed rounds, others that the next round's contributions are judged against too."""
     """With `SyncConfig.repeat_push` replace only: each pending contribution's decoded Δ (fp32, after any clip),
     weight and tensor norms, by learner, to rebuild `merging` from when one is replaced. Empty otherwise."""
     opened_at: float | None = None

@@ -12,10 +12,11 @@ import torch
 
 from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.algorithm.merge import token_weight
+from diloco.algorithm.merge import StreamingMerge, token_weight
 from diloco.algorithm.outer import outer_update
 from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
+from diloco.syncer.defences import agreement
 from diloco.syncer.defences.norm_guard import MIN_SAMPLES, PRIOR_PER_STEP, fragment_scale
 
 log = logging.getLogger("diloco.syncer")
@@ -53,6 +54,40 @@ def release_kept(core, fs) -> None:
     fs.kept = {}
 
 
+def agreed(core, fs, contributions: list, merging: StreamingMerge) -> StreamingMerge:
+    """The agreement test on a closing round (syncer/defences/agreement.py): each contribution's factor, judged
+    against the round's other contributions and the last rounds', and the round's sums made anew from the contributions' payloads when a factor is below 1. Worker thread."""
+    credentials = [core.learners[c.learner].credential or c.learner for c in contributions]
+    sketches = [c.sketch for c in contributions]
+    # the last rounds' contributions of other credentials are others to agree with too: a round of one or two is
+    # judged against them
+    peers = [(credential, sketch) for credential, (_, sketch) in fs.agreement_peers.items()
+             if credential not in credentials]
+    verdicts = agreement.judge(credentials + [p[0] for p in peers], sketches + [p[1] for p in peers],
+                               core.cfg.agreement_floor, judged=len(contributions))
+    fs.agreement_peers.update((credential, (fs.version, s)) for credential, s in zip(credentials, sketches)
+                              if s is not None)
+    oldest = fs.version - agreement.PEER_ROUNDS + 1
+    fs.agreement_peers = {k: v for k, v in fs.agreement_peers.items() if v[0] >= oldest}
+    for c, (factor, score) in zip(contributions, verdicts):
+        c.agreement, c.agreement_score, c.sketch = factor, score, None
+    if all(factor == 1.0 for factor, _ in verdicts):
+        return merging
+    again = StreamingMerge(merging.segments, core.cfg.merge, core.buffers, merging.mean_fallback)
+    core.buffers.give(merging.sum)
+    core.buffers.give(merging.units)
+    for c, (factor, _) in zip(contributions, verdicts):
+        if c.weight * factor <= 0 and again.base > 0:
+            continue  # folded in with no weight: nothing
+        delta = core.buffers.take(fs.fragment.numel)
+        codec.decode(c.encoded, delta)
+        delta.mul_(c.scale * factor)
+        again.add(delta, c.weight * factor)
+        if again.sum is not delta:
+            core.buffers.give(delta)
+    return again
+
+
 def close(core, index: int, fs, decision: dict | None = None) -> list[Publication]:
     """Merge the round of fragment `index` of `core` (a SyncerCore), take the outer step, persist, and return the
     publications; `decision` (what the policy decided on) goes on the tape. Worker thread, called without the
@@ -69,6 +104,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     merging, fs.merging = fs.merging, None
     release_kept(core, fs)
     # ---- the arithmetic, without the lock
+    if params and core.cfg.agreement_floor and merging.failed is None:
+        merging = agreed(core, fs, contributions, merging)
     delta = merging.result() if merging.failed is None else None
     vanished = merging.vanished
     steps = sum(s for _, s in counted) / len(counted)
@@ -151,7 +188,11 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                                    # the direction test: the cosine it measured, and the factor when below 1
                                    **({"cosine": round(c.cosine, 4)} if c.cosine is not None else {}),
                                    **({"direction": c.direction} if c.direction < 1.0 else {}),
-                                   "weight": c.direction * token_weight(*counted_c, fs.version - 1 - c.base_version,
+                                   # the agreement test: its score in the round, and the factor when below 1
+                                   **({"agreement_score": round(c.agreement_score, 4)}
+                                      if c.agreement_score is not None else {}),
+                                   **({"agreement": round(c.agreement, 6)} if c.agreement < 1.0 else {}),
+                                   "weight": c.direction * c.agreement * token_weight(*counted_c, fs.version - 1 - c.base_version,
                                                           core.cfg.staleness_decay),
                                    **checked(c, fs.version - 1, decision)}
                                   for c, counted_c in zip(contributions, counted)])

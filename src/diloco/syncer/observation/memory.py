@@ -26,10 +26,19 @@ def core_parts(core) -> dict[str, int]:
             parts["outer_state"] += _nbytes(fs.direction.reference)
         parts["changes"] += sum(len(change.data) for _, change, _ in list(fs.changes))
         merging = fs.merging
+        payloads = {}  # the agreement test keeps each contribution's payload; the round's first may be among them
         if merging is not None:
             first = merging._first_payload
-            parts["open_rounds"] += _nbytes(merging.sum) + _nbytes(merging.units) + (0 if first is None else len(first.data))
+            parts["open_rounds"] += _nbytes(merging.sum) + _nbytes(merging.units)
+            if first is not None:
+                payloads[id(first)] = len(first.data)
         parts["open_rounds"] += sum(_nbytes(kept[0]) for kept in list(fs.kept.values()))  # --repeat-push replace
+        for c in list(fs.pending.values()):  # the agreement test (`SyncConfig.agreement_floor`): sketches, payloads
+            parts["open_rounds"] += _nbytes(c.sketch)
+            if c.encoded is not None:
+                payloads[id(c.encoded)] = len(c.encoded.data)
+        parts["open_rounds"] += sum(payloads.values())
+        parts["outer_state"] += sum(_nbytes(sketch) for _, sketch in list(fs.agreement_peers.values()))
     parts["reused_buffers"] = core.buffers.kept_bytes
     return parts
 
