@@ -14,6 +14,7 @@ built-in model on real data like the others and changes what it sends:
 | `drift` | Δ plus half its norm along one fixed direction per fragment, every push: a slow targeted drift |
 | `free-rider` | zeros, claiming four times its tokens |
 | `replay` | the payload it pushed ten pushes of that fragment ago, again, as new |
+| `stale` | the Δ it pushed ten pushes of that fragment ago, encoded again with noise of a hundredth of its size (cosine 0.99999 with it), so that some of its int4 bytes are new: a replay that the byte-for-byte refusal does not see |
 | `inflate-tokens` | its real Δ, claiming 24·2^32 tokens per push |
 | `tiny-weight` | its real Δ, declaring 1 token in 2^53 steps (a weight of ~10^-31) |
 | `heartbeat-tokens` | its real Δ, and heartbeats claiming 10^9 tokens more each time |
@@ -45,7 +46,7 @@ from benchmarks import child_env, module_command
 from benchmarks.provenance import stamped
 
 ATTACKS = ("sign-flip", "noise", "drift", "free-rider", "replay", "inflate-tokens", "tiny-weight", "heartbeat-tokens",
-           "flip-some", "noise-aligned", "alie", "ipm")
+           "flip-some", "noise-aligned", "alie", "ipm", "stale")
 RECENT = 5
 """Own pushes of a fragment that `alie` and `ipm` estimate the honest mean (and spread) from."""
 
@@ -89,6 +90,17 @@ def attacked(attack: str, delta, pushes_before: int, generator, directions: dict
     return None
 
 
+def stale(payload, generator):
+    """`payload`'s Δ encoded again (same codec) with noise of a hundredth of its norm: new bytes, the same step."""
+    import torch
+
+    from diloco.algorithm import codec
+
+    old = codec.decode(payload)
+    noise = torch.randn(old.numel(), generator=generator)
+    return codec.encode(old + noise * (1e-2 * old.norm().item() / max(noise.norm().item(), 1e-30)), payload.codec)
+
+
 def hostile_transport(attack: str, seed: int):
     """A GrpcTransport whose pushes and heartbeats carry `attack`."""
     import torch
@@ -117,6 +129,8 @@ def hostile_transport(attack: str, seed: int):
                 job.tokens = 4 * job.tokens
             elif attack == "replay" and len(kept) > 10:
                 job._payload = kept[-11]
+            elif attack == "stale" and len(kept) > 10:
+                job._payload = stale(kept[-11], self.generator)
             elif attack == "inflate-tokens":
                 job.tokens = job.steps * 2**32
             elif attack == "tiny-weight":

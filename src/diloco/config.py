@@ -174,14 +174,16 @@ class SyncConfig:
     """Ours. Refuse a parameter push whose payload repeats, byte for byte, one accepted for the same fragment among
     its last 256 (a credential holder replaying old pushes as new; a resent push keeps its sequence number and is
     a duplicate instead). Honest pushes never repeat; all-zero payloads are exempt (syncer/defences/replayed.py)."""
-    agreement_floor: float = 0.0
-    """Ours, the agreement test (0: off, the default). Merge a parameter contribution with its Δ and weight scaled by
-    s / (this × typical), at most 1 and at least 0: s is its score within its own round, the ⌈n/2⌉-th largest
-    cosine with the n contributions of other credentials there (it agrees with at least half of them), estimated
-    from a 4,096-value sketch of each Δ, and typical the median of the others' scores. Judged when three
-    credentials or more are in the round; everything passes while the others' median is under 0.05. It covers
-    what the direction test leaves open: a fragment's first rounds, before that test's reference is ready, and a
-    credential that turns against the run on fewer than half of its pushes (syncer/defences/agreement.py)."""
+    agreement_floor: float = 0.25
+    """Ours, the agreement test (0: off; on by measurement). Merge a parameter contribution with its Δ and weight
+    scaled by s / (this × typical), at most 1 and at least 0: s is its score, the ⌈n/2⌉-th largest cosine with the
+    n other credentials' contributions in its own round and their latest in the fragment's last two rounds (it
+    agrees with at least half of them), estimated from a 4,096-value sketch of each Δ, and typical the median of
+    those others' scores. Judged when three credentials or more are there; everything passes while the others'
+    median is under 0.05. It covers what the direction test leaves open: a fragment's first rounds, before that
+    test's reference is ready, and a credential that turns against the run on fewer than half of its pushes
+    (syncer/defences/agreement.py). Measured (docs/results.md, "Hostile learners"): on honest runs within the noise
+    of two runs of one setting, so it is on by default."""
     max_counter_ratio: float = 4.0
     """Ours (0: off). Count a contribution's declared tokens per step as at most this multiple of what other
     credentials' accepted contributions typically declare, and its tokens as at most this multiple of their H

@@ -127,7 +127,7 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--agreement-floor", type=float, metavar="FRACTION",
                    help="agreement test: merge a contribution scaled by its agreement with the other credentials' "
                         "contributions of its own round over this fraction of theirs with one another, at most 1 "
-                        "(0: off, the default)")
+                        "(0.25; 0: off)")
     g.add_argument("--max-counter-ratio", type=float, metavar="RATIO",
                    help="count declared tokens and tokens per step as at most this multiple of other credentials' "
                         "typical ones, in weights, shares and the budget (4; 0: off)")

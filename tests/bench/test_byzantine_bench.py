@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from benchmarks.hostile.byzantine import ATTACKS, attacked
+from benchmarks.hostile.byzantine import ATTACKS, attacked, stale
 
 
 def send(attack, delta, pushes_before=0, directions=None, fragment=0):
@@ -26,7 +26,7 @@ def test_sign_flips_noise_and_free_riding(delta):
     noise = send("noise", delta)
     assert noise.norm().item() == pytest.approx(45 * delta.norm().item(), rel=1e-5) and abs(cosine(noise, delta)) < 0.1
     assert not send("free-rider", delta).any()
-    for honest_delta in ("replay", "inflate-tokens", "tiny-weight", "heartbeat-tokens"):  # they change the job
+    for honest_delta in ("replay", "stale", "inflate-tokens", "tiny-weight", "heartbeat-tokens"):  # they change the job
         assert send(honest_delta, delta) is None
 
 
@@ -66,3 +66,12 @@ def test_ipm_sends_the_negated_recent_mean_inside_the_clip(delta):
     sent = attacked("ipm", delta, 4, torch.Generator().manual_seed(0), {}, 0, recent)
     assert cosine(sent, torch.stack(recent).mean(0)) == pytest.approx(-1.0, abs=1e-5)
     assert sent.norm().item() == pytest.approx(1.9 * delta.norm().item(), rel=1e-5)
+
+
+def test_a_stale_replay_has_new_bytes_and_the_old_step(delta):
+    from diloco.algorithm import codec
+
+    old = codec.encode(1e-3 * delta, "int4")
+    sent = stale(old, torch.Generator().manual_seed(0))
+    assert sent.codec == "int4" and sent.data != old.data  # the byte-for-byte refusal does not see it
+    assert cosine(codec.decode(sent), codec.decode(old)) > 0.999
