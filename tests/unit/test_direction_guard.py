@@ -22,8 +22,9 @@ F = 2  # a 4096-value fragment: noise has a cosine of about 1/64 with anything
 
 
 def make_core(**overrides):
+    # the direction test alone: the agreement test (tests/unit/test_agreement.py) would also judge these pushes
     settings = dict(sync_every=H, codec="fp32", grace=0.0, grace_expect_steps=0.0, scale_partial_rounds=False,
-                    direction_floor=0.25)
+                    direction_floor=0.25, agreement_floor=0.0)
     core, clock = core_in_memory(4, SPECS, linspace, **{**settings, **overrides})
     events = []
     core.on_event = lambda kind, fields: events.append({"event": kind, **fields})

@@ -97,9 +97,9 @@ def test_the_ceiling_counts_declared_steps_only_up_to_h():
 
 
 def test_the_robust_merge_clips_a_contribution_to_other_credentials_typical_size():
-    # the clip alone: with the direction test (on by default) this flip would be merged with no weight at all
+    # the clip alone: with the direction or agreement test (on by default) this flip would be merged with no weight
     core, clock = make_core(clip_norm_ratio=4.0, max_norm_ratio=0.0, max_round_ratio=0.0, scale_partial_rounds=False,
-                            direction_floor=0.0)
+                            direction_floor=0.0, agreement_floor=0.0)
     s = {x: core.join(x, SPECS) for x in ("a", "b", "c", "mallory")}
     honest_rounds(core, {x: s[x] for x in "abc"}, 3)
     typical = core.fragments[1].guard.accepted.reference("mallory")

@@ -26,11 +26,12 @@ LR, MU = 0.7, 0.9
 
 def make_core(repeat_push: str, learners: int = 2, **overrides):
     """Two learners, K = 2 (a first push stays pending), the plain weighted mean, fp32 pushes, DiLoCo's Nesterov
-    outer step taken in full every round: a round's result is the formulas of docs/algorithm.md §4, computable by hand."""
+    outer step taken in full every round: a round's result is the formulas of docs/algorithm.md §4, computable by hand
+    (no agreement test: its sketches would be open-round memory beside the kept Δs these tests count)."""
     settings = dict(sync_every=H, codec="fp32", quorum=learners, merge="mean", outer_lr=LR,
                     outer_momentum=MU, delayed_momentum=False, scale_partial_rounds=False, grace=0.0,
                     grace_expect_steps=0.0, clip_norm_ratio=0.0, max_counter_ratio=0.0, max_norm_ratio=0.0,
-                    max_round_ratio=0.0, repeat_push=repeat_push)
+                    max_round_ratio=0.0, agreement_floor=0.0, repeat_push=repeat_push)
     core, clock = core_in_memory(learners, SPECS, linspace, **{**settings, **overrides})
     events = []
     core.on_event = lambda kind, fields: events.append((kind, fields))
@@ -207,8 +208,8 @@ def test_repeating_a_push_gains_no_weight_and_no_tokens():
 
 
 def test_a_replacement_is_clipped_like_any_push():
-    # the clip alone: the direction test (on by default) would merge these flips with no weight at all
-    core, clock, s = hostile_core(outer_momentum=0.0, outer_lr=1.0, direction_floor=0.0)
+    # the clip alone: the direction and agreement tests (on by default) would merge these flips with no weight at all
+    core, clock, s = hostile_core(outer_momentum=0.0, outer_lr=1.0, direction_floor=0.0, agreement_floor=0.0)
     typical = core.fragments[1].guard.accepted.reference("mallory")
     before = core.fragments[1].outer_values().clone()
     assert push(core, "mallory", s["mallory"], 1, torch.full((6,), -0.5), H, 600).accepted  # clipped

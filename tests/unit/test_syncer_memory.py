@@ -12,6 +12,7 @@ import torch
 from diloco.algorithm import codec
 from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec, plan_fragments
+from diloco.syncer.defences import agreement
 from diloco.syncer.observation import memory
 from diloco.syncer.core import SyncerCore
 from diloco.syncer.updates import UpdateQueue
@@ -83,7 +84,8 @@ def peak_bytes(learners: int, rounds: int = 3, **overrides) -> int:
 
 
 def test_syncer_memory_does_not_grow_with_the_number_of_learners():
-    two, sixteen = peak_bytes(2), peak_bytes(16)
+    # without the agreement test, which keeps each open round's payloads (the next test)
+    two, sixteen = peak_bytes(2, agreement_floor=0.0), peak_bytes(16, agreement_floor=0.0)
     # before: a full fp32 copy of the model per learner plus one Δ per pending contribution (28 models more); now
     # the difference is at most the pool of reused buffers (one fragment: with two learners a round's second
     # contribution becomes its sum, with more the third's buffer is folded in and kept for reuse)
@@ -92,11 +94,20 @@ def test_syncer_memory_does_not_grow_with_the_number_of_learners():
     # buffers and the direction test's reference in bf16; with μ = 0, the decoupled default, no momentum or
     # delayed-momentum sum (2 models more)
     assert two < 3.7 * P * FRAGMENT_BYTES, two / (P * FRAGMENT_BYTES)
-    without_direction = peak_bytes(2, direction_floor=0.0)
+    without_direction = peak_bytes(2, direction_floor=0.0, agreement_floor=0.0)
     assert 0.45 * P * FRAGMENT_BYTES < two - without_direction < 0.55 * P * FRAGMENT_BYTES, \
         (two - without_direction) / (P * FRAGMENT_BYTES)
-    with_momentum = peak_bytes(2, outer_momentum=0.9)
+    with_momentum = peak_bytes(2, outer_momentum=0.9, agreement_floor=0.0)
     assert 1.9 * P * FRAGMENT_BYTES < with_momentum - two < 2.1 * P * FRAGMENT_BYTES, (with_momentum - two) / (P * FRAGMENT_BYTES)
+
+
+def test_the_agreement_test_keeps_a_payload_and_a_sketch_per_contribution_of_an_open_round():
+    # each learner here pushes one int4 payload to all P fragments: one payload per learner, and its sketch in each
+    # fragment's open round and among the fragment's peers (the last rounds' latest per credential)
+    payload = len(codec.encode(torch.zeros(NUMEL), "int4").data)  # an eighth of the fragment, and its scales
+    sketches = 2 * P * agreement.SKETCH * 4
+    off, on = peak_bytes(16, agreement_floor=0.0), peak_bytes(16)
+    assert 16 * payload <= on - off <= 16 * (payload + sketches) + FRAGMENT_BYTES, (on - off) / (16 * payload)
 
 
 def test_without_rdas_mean_fallback_an_open_round_keeps_one_running_sum():
@@ -123,8 +134,9 @@ def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded
     for p in range(P):  # every fragment's round opened by one learner, the other still to come
         assert core.push("l0", sessions["l0"], 1, p, 0, P, 100 * P, payload).accepted
     assert all(fs.pending for fs in core.fragments)
-    # the int4 payload (shared here) and at most one reused fp32 buffer, not P fragments of fp32 sums
-    assert held_bytes(core) - before <= len(payload.data) + FRAGMENT_BYTES
+    # the int4 payload (shared here) and at most one reused fp32 buffer, not P fragments of fp32 sums (and the
+    # agreement test's sketch of each contribution)
+    assert held_bytes(core) - before <= len(payload.data) + FRAGMENT_BYTES + P * agreement.SKETCH * 4
 
 
 @pytest.mark.parametrize("agreement_floor", [0.0, 0.25])  # the agreement test keeps sketches and payloads
