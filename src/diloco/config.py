@@ -173,7 +173,8 @@ class SyncConfig:
     refuse_replays: bool = True
     """Ours. Refuse a parameter push whose payload repeats, byte for byte, one accepted for the same fragment among
     its last 256 (a credential holder replaying old pushes as new; a resent push keeps its sequence number and is
-    a duplicate instead). Honest pushes never repeat; all-zero payloads are exempt (syncer/defences/replayed.py)."""
+    a duplicate instead). Honest pushes of a real fragment never repeat; all-zero payloads and fragments under 1,024
+    values, whose int4 payloads can repeat honestly, are exempt (syncer/defences/replayed.py)."""
     agreement_floor: float = 0.25
     """Ours, the agreement test (0: off; on by measurement). Merge a parameter contribution with its Δ and weight
     scaled by s / (this × typical), at most 1 and at least 0: s is its score, the ⌈n/2⌉-th largest cosine with the

@@ -4,11 +4,14 @@ already accepted for its fragment is refused; resent pushes, all-zero payloads a
 import torch
 
 from diloco.algorithm import codec
+from diloco.algorithm.fragments import TensorSpec
 from diloco.config import for_mode
-from diloco.syncer.defences.replayed import WINDOW, RecentPayloads, digest
+from diloco.syncer.defences.replayed import MIN_VALUES, WINDOW, RecentPayloads, digest
 from cores import core_in_memory
 
-F = 1
+SPECS = [TensorSpec("emb", (64, 32), "float32", True), TensorSpec("w1", (64, 64), "float32"),
+         TensorSpec("b1", (8,), "float32")]
+F = 1  # 4,096 values
 
 
 def payload(seed: int, numel: int) -> codec.Encoded:
@@ -22,7 +25,8 @@ def pusher(core):
 
 
 def test_a_payload_repeated_byte_for_byte_is_refused_as_a_replay():
-    core, clock = core_in_memory(2, sync_every=6, codec="int4", refuse_replays=True, clip_norm_ratio=0.0)
+    core, clock = core_in_memory(2, SPECS, sync_every=6, codec="int4", refuse_replays=True,
+                                 clip_norm_ratio=0.0)
     push = pusher(core)
     a, b = core.join("a", core.specs), core.join("b", core.specs)
     n = core.fragments[F].fragment.numel
@@ -37,7 +41,8 @@ def test_a_payload_repeated_byte_for_byte_is_refused_as_a_replay():
 
 
 def test_a_resent_push_is_a_duplicate_and_zeros_repeat_freely():
-    core, clock = core_in_memory(2, sync_every=6, codec="int4", refuse_replays=True, clip_norm_ratio=0.0)
+    core, clock = core_in_memory(2, SPECS, sync_every=6, codec="int4", refuse_replays=True,
+                                 clip_norm_ratio=0.0)
     push = pusher(core)
     a = core.join("a", core.specs)
     n = core.fragments[F].fragment.numel
@@ -55,13 +60,25 @@ def test_a_resent_push_is_a_duplicate_and_zeros_repeat_freely():
 def test_the_paper_preset_and_the_switch_accept_replays():
     assert for_mode("decoupled", 2, preset="paper").refuse_replays is False
     assert for_mode("decoupled", 2).refuse_replays is True
-    core, clock = core_in_memory(2, sync_every=6, codec="int4", refuse_replays=False, clip_norm_ratio=0.0)
+    core, clock = core_in_memory(2, SPECS, sync_every=6, codec="int4", refuse_replays=False,
+                                 clip_norm_ratio=0.0)
     push = pusher(core)
     a = core.join("a", core.specs)
     data = payload(0, core.fragments[F].fragment.numel)
     assert push("a", a, 1, data).accepted
     core.poll(force=True)
     assert push("a", a, 2, data).accepted
+
+
+def test_a_small_fragment_may_repeat():
+    # four values' int4 levels and scale can come out the same twice when training moves slowly
+    core, clock = core_in_memory(2, SPECS, sync_every=6, codec="int4", refuse_replays=True, clip_norm_ratio=0.0)
+    a = core.join("a", core.specs)
+    small = codec.encode(torch.full((8,), 1e-3), "int4")
+    assert core.fragments[2].fragment.numel == 8 < MIN_VALUES
+    for seq in (1, 2):
+        assert core.push("a", a, seq, 2, core.fragments[2].version, 6, 600, small).accepted
+        core.poll(force=True)
 
 
 def test_the_window_keeps_the_latest_digests():

@@ -342,7 +342,8 @@ class SyncerCore(Membership, RoundTiming):
         per_step = fs.guard.per_step(math.sqrt(sum(n * n for n in norms)), steps) if fs.guard else 0.0
         fragment_norm = self.fragment_norm(fs) if fs.guard else 0.0
         moving = any(norms) if norms is not None else bool(delta.any())
-        digest = replayed.digest(payload.data) if self.cfg.refuse_replays and params and moving else None
+        checked = self.cfg.refuse_replays and params and moving and payload.numel >= replayed.MIN_VALUES
+        digest = replayed.digest(payload.data) if checked else None
         with self.lock:
             credential = record.credential or learner_id
             if staleness < 0 or staleness > self.cfg.max_staleness:

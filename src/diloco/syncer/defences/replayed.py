@@ -2,15 +2,18 @@
 
 Honest learners never send the same bytes twice for a fragment: each push carries new progress (a resent push
 keeps its sequence number and is recognised as a duplicate before this). A credential holder replaying its own old
-pushes, or anyone replaying a captured one, would have stale steps merged as new. A payload of all zeros (a frozen
-fragment, a free-rider) repeats honestly and is not judged here: it has no weight anyway. Memory: WINDOW digests
-of 16 bytes per fragment; not persisted (after a restart a learner may resend what the crash lost)."""
+pushes, or anyone replaying a captured one, would have stale steps merged as new. Not judged here: a payload of all
+zeros (a frozen fragment, a free-rider; it has no weight anyway), and one of fewer than MIN_VALUES values, whose int4
+levels and scales can come out the same twice when training moves slowly (a test model's 20-value layer did). Memory:
+WINDOW digests of 16 bytes per fragment; not persisted (after a restart a learner may resend what the crash lost)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
 
+MIN_VALUES = 1024
+"""Fragments with fewer values are not judged (see above)."""
 WINDOW = 256
 """Accepted payloads per fragment whose digests are kept: with H steps between a learner's pushes of a fragment,
 the last WINDOW / M pushes of each of M learners."""
