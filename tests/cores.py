@@ -48,3 +48,19 @@ def push(core, lid, session, seq, fragment=1, value=0.5, base_version=None, step
     payload = codec.encode(torch.full((n,), value), "fp32")
     base = core.fragments[fragment].version if base_version is None else base_version
     return core.push(lid, session, seq, fragment, base, steps, tokens, payload)
+
+
+class Steps:
+    """Outer gradients of one fragment: a shared direction g, each honest one g plus its own noise (cosine about 0.8
+    with g), as real learners' outer gradients share the descent."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.g = torch.randn(n, generator=self.gen)
+
+    def honest(self) -> torch.Tensor:
+        return 0.01 * (self.g + 0.7 * torch.randn(self.g.numel(), generator=self.gen))
+
+    def noise(self) -> torch.Tensor:
+        d = torch.randn(self.g.numel(), generator=self.gen)
+        return d * (self.honest().norm() / d.norm())

@@ -9,7 +9,7 @@ from diloco.algorithm import codec
 from diloco.algorithm.fragments import TensorSpec
 from diloco.config import for_mode, validate
 from diloco.syncer.defences import agreement
-from cores import core_in_memory, linspace
+from cores import Steps, core_in_memory, linspace
 
 SPECS = [TensorSpec("emb", (8, 4), "float32", True), TensorSpec("w1", (64, 64), "float32"),
          TensorSpec("w2", (64,), "float32"), TensorSpec("w3", (64, 64), "float32")]
@@ -24,15 +24,6 @@ def make_core(**overrides):
     events = []
     core.on_event = lambda kind, fields: events.append({"event": kind, **fields})
     return core, clock, events
-
-
-class Steps:
-    def __init__(self, n: int, seed: int = 0):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.g = torch.randn(n, generator=self.gen)
-
-    def honest(self) -> torch.Tensor:
-        return 0.01 * (self.g + 0.7 * torch.randn(self.g.numel(), generator=self.gen))
 
 
 def one_round(core, clock, pushes: dict[str, torch.Tensor], seqs: dict[str, int], sessions) -> torch.Tensor:

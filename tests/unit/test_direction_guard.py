@@ -13,7 +13,7 @@ from diloco.config import for_mode
 from diloco.algorithm.fragments import TensorSpec
 from diloco.syncer.defences.direction_guard import DirectionGuard
 from diloco.syncer.replay import replay
-from cores import core_in_memory, linspace
+from cores import Steps, core_in_memory, linspace
 
 SPECS = [TensorSpec("emb", (8, 4), "float32", True), TensorSpec("w1", (64, 64), "float32"),
          TensorSpec("w2", (64,), "float32"), TensorSpec("w3", (64, 64), "float32")]
@@ -29,21 +29,6 @@ def make_core(**overrides):
     events = []
     core.on_event = lambda kind, fields: events.append({"event": kind, **fields})
     return core, clock, events
-
-
-class Steps:
-    """Outer gradients of one fragment: a shared direction g, each honest one g plus its own noise."""
-
-    def __init__(self, n: int, seed: int = 0):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.g = torch.randn(n, generator=self.gen)
-
-    def honest(self) -> torch.Tensor:
-        return 0.01 * (self.g + 0.7 * torch.randn(self.g.numel(), generator=self.gen))
-
-    def noise(self) -> torch.Tensor:
-        d = torch.randn(self.g.numel(), generator=self.gen)
-        return d * (self.honest().norm() / d.norm())
 
 
 def push(core, lid, session, seq, delta, fragment=F):
