@@ -196,3 +196,10 @@ def lightning_trainer(out: pathlib.Path, steps: int, callbacks: list, **options)
 def loader(rows: list[dict], batch_size: int):
     """The rows in their order, batch after batch (no shuffling: runs compare step by step)."""
     return torch.utils.data.DataLoader(Rows(rows), batch_size=batch_size, shuffle=False, collate_fn=collate)
+
+
+def final_pushes(tape: pathlib.Path, learner_id: str) -> list[dict]:
+    """The merged contributions of `learner_id` that were its last pushes (made as it left), from a syncer's tape."""
+    events = [json.loads(line) for line in tape.read_text().splitlines()]
+    return [c for e in events if e.get("event") == "round" for c in e["contributors"]
+            if c["learner"] == learner_id and c.get("final")]

@@ -27,7 +27,7 @@ from diloco.integrations.budget_lr import decay_tail  # noqa: E402
 from diloco.integrations.transformers import DiLoCoCallback  # noqa: E402
 
 from integrations_support import (ROOT, InOrder, Rows, SyncerProcess, collate, examples, final_model,  # noqa: E402
-                                  heldout_loss, tiny_gpt2)
+                                  final_pushes, heldout_loss, tiny_gpt2)
 from liveness import wait_for  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "hf_trainer.py"
@@ -308,10 +308,7 @@ def test_a_sigtermed_trainer_pushes_what_it_has_and_leaves_saying_so(tmp_path):
             proc.kill()
             proc.wait(30)
         syncer.stop()
-    events = [json.loads(line) for line in (tmp_path / "syncer" / "tape.jsonl").read_text().splitlines()]
-    last = [c for e in events if e.get("event") == "round" for c in e["contributors"]
-            if c["learner"] == "alice" and c.get("final")]
-    assert last  # its last pushes, made after the signal, were merged
+    assert final_pushes(tmp_path / "syncer" / "tape.jsonl", "alice")  # its last pushes, made after the signal
     log = (tmp_path / "alice.log").read_text()
     assert log.count("diloco: learner alice got SIGTERM: it pushes what it has and leaves the run") == 1
     assert log.count("diloco: learner alice left the run after") == 1

@@ -22,8 +22,8 @@ from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
 from diloco.integrations.budget_lr import decay_tail  # noqa: E402
 from diloco.integrations.lightning import DiLoCoCallback  # noqa: E402
 
-from integrations_support import (ROOT, SyncerProcess, examples, final_model, heldout_loss,  # noqa: E402
-                                  lightning_module, lightning_trainer, loader, tiny_gpt2)
+from integrations_support import (ROOT, SyncerProcess, examples, final_model, final_pushes,  # noqa: E402
+                                  heldout_loss, lightning_module, lightning_trainer, loader, tiny_gpt2)
 from liveness import wait_for  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "lightning_fit.py"
@@ -231,10 +231,7 @@ def test_a_sigtermed_lightning_learner_pushes_what_it_has_and_leaves_saying_so(t
             proc.kill()
             proc.wait(30)
         syncer.stop()
-    events = [json.loads(line) for line in (tmp_path / "syncer" / "tape.jsonl").read_text().splitlines()]
-    last = [c for e in events if e.get("event") == "round" for c in e["contributors"]
-            if c["learner"] == "alice" and c.get("final")]
-    assert last  # its last pushes, made after the signal, were merged
+    assert final_pushes(tmp_path / "syncer" / "tape.jsonl", "alice")  # its last pushes, made after the signal
     assert log.count("diloco: learner alice got SIGTERM: it pushes what it has and leaves the run") == 1
     assert log.count("diloco: learner alice left the run after") == 1
 

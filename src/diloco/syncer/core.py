@@ -329,13 +329,13 @@ class SyncerCore(Membership, RoundTiming):
                 self.refusals[reason] = self.refusals.get(reason, 0) + 1
             return PushResult(False, str(e), resync=True)
         fs = self.fragments[fragment]
-        judged = self.cfg.agreement_floor > 0 and fs.fragment.role == "params"
-        # the agreement test's summary of Δ as sent, and the payload to fold it in anew if its round scales it down
-        sketch, encoded = (agreement.sketch(delta), payload) if judged else (None, None)
-        scale = 1.0
         check = self._close_if_due(fragment, fs, arrived)  # before its version gives this push's staleness
         staleness = fs.version - base_version
         params = fs.fragment.role == "params"
+        # the agreement test's summary of Δ as sent, and the payload to fold it in anew if its round scales it down
+        judged = params and self.cfg.agreement_floor > 0
+        sketch, encoded = (agreement.sketch(delta), payload) if judged else (None, None)
+        scale = 1.0
         method = self.cfg.merge if params else "mean"
         # one read of Δ gives its norms to the guard and to RDA alike
         norms = segment_norms(delta, segments(fs.fragment)) if fs.guard or method == "rda" else None

@@ -56,7 +56,8 @@ def release_kept(core, fs) -> None:
 
 def agreed(core, fs, contributions: list, merging: StreamingMerge) -> StreamingMerge:
     """The agreement test on a closing round (syncer/defences/agreement.py): each contribution's factor, judged
-    against the round's other contributions and the last rounds', and the round's sums made anew from the contributions' payloads when a factor is below 1. Worker thread."""
+    against the round's other contributions and the last rounds', and the round's sums made anew from the
+    contributions' payloads when a factor is below 1. Worker thread."""
     credentials = [core.learners[c.learner].credential or c.learner for c in contributions]
     sketches = [c.sketch for c in contributions]
     # the last rounds' contributions of other credentials are others to agree with too: a round of one or two is
