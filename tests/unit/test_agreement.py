@@ -2,6 +2,8 @@
 other contributions of its own round, under a fake clock. Honest learners push a shared direction plus their own
 noise, as in tests/unit/test_direction_guard.py."""
 
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from diloco.algorithm import codec
 from diloco.algorithm.fragments import TensorSpec
 from diloco.config import for_mode, validate
 from diloco.syncer.defences import agreement
+from diloco.syncer.replay import replay
 from cores import Steps, core_in_memory, linspace
 
 SPECS = [TensorSpec("emb", (8, 4), "float32", True), TensorSpec("w1", (64, 64), "float32"),
@@ -153,3 +156,21 @@ def test_the_floor_is_checked_and_off_in_the_paper_preset():
     with pytest.raises(ValueError, match="--agreement-floor"):
         validate(for_mode("decoupled", 4, agreement_floor=1.5))
     assert for_mode("decoupled", 4, preset="paper").agreement_floor == 0.0
+
+
+def test_replay_takes_the_recorded_factor_and_finds_one_that_was_changed():
+    core, clock, events = make_core()
+    steps = Steps(4096)
+    sessions = {lid: core.join(lid, SPECS) for lid in ("a", "b", "c", "mallory")}
+    seqs: dict[str, int] = {}
+    for _ in range(3):
+        weak = 0.1 * steps.honest() + steps.noise()  # along the others a little: 0 < factor < 1
+        one_round(core, clock, {**{lid: steps.honest() for lid in "abc"}, "mallory": weak}, seqs, sessions)
+    factors = [c["agreement"] for e in events if e["event"] == "round" for c in e["contributors"] if "agreement" in c]
+    assert factors and all(0 < f < 1 for f in factors)
+    tape = [{"event": "start", "config": json.loads(core.cfg.to_json())}, *events]
+    assert replay(tape) == (3, [])
+    for e in tape:
+        for c in e.get("contributors", []):
+            c.pop("agreement", None)  # a replay that ignored it would see other weights
+    assert len(replay(tape)[1]) == 3

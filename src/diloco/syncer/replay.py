@@ -140,8 +140,8 @@ def replay(events: list[dict], slack: float = SLACK) -> tuple[int, list[Differen
                 continue
             # counters bounded against other learners' history (which a tape does not hold) are taken as recorded
             counted = c["counted"] if c.get("bounded") else counted_as(c["tokens"], c["steps"], cfg)
-            # the direction test's factor depends on other learners' history too: taken as recorded
-            weight = c.get("direction", 1.0) * token_weight(*counted, c["staleness"], cfg.staleness_decay)
+            # the direction and agreement tests' factors depend on other learners' history too: taken as recorded
+            weight = c.get("direction", 1.0) * c.get("agreement", 1.0) * token_weight(*counted, c["staleness"], cfg.staleness_decay)
             if abs(weight - c["weight"]) > 1e-9 * max(1.0, abs(weight)):
                 differences.append(Difference(fragment, version, f"{c['learner']}'s weight {weight:.6g}; the syncer "
                                                                  f"used {c['weight']:.6g}"))

@@ -192,7 +192,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                                    # the agreement test: its score in the round, and the factor when below 1
                                    **({"agreement_score": round(c.agreement_score, 4)}
                                       if c.agreement_score is not None else {}),
-                                   **({"agreement": round(c.agreement, 6)} if c.agreement < 1.0 else {}),
+                                   **({"agreement": c.agreement} if c.agreement < 1.0 else {}),
                                    "weight": c.direction * c.agreement * token_weight(*counted_c, fs.version - 1 - c.base_version,
                                                           core.cfg.staleness_decay),
                                    **checked(c, fs.version - 1, decision)}
