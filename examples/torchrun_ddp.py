@@ -71,6 +71,7 @@ def main(syncer: str, learner_id: str, steps: int, check: bool = False, summary:
             with open(summary, "w") as f:
                 json.dump({"steps": learner.step_count, "pushes": learner.pushes, "applied": learner.applied,
                            "tokens": learner.tokens, "mismatches": mismatches, "world": world}, f)
+    dist.barrier()  # no rank tears the group down while another still uses it (a rare abort at exit otherwise)
     dist.destroy_process_group()
     if mismatches:
         raise SystemExit(f"rank {rank}: parameters differed between ranks after {mismatches} steps")

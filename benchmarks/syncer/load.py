@@ -228,6 +228,8 @@ class Monitor(threading.Thread):
         self.syncers = syncers
         self.t0 = time.monotonic()
         self.rss_over_time: list = []
+        self.memory_over_time: list = []
+        """[seconds, [each syncer's /status memory by part]] at every sample that read them."""
         self.cpu_over_time: list = []
         self.phases: dict[str, float] = {}
         self.open_rounds: OpenRounds | None = None
@@ -255,17 +257,19 @@ class Monitor(threading.Thread):
             self.cpu_over_time.append([t, [round((c - c0) / SAMPLE_SECONDS, 3)
                                            for (_, _, c), c0 in zip(figures, cpu)]])
             cpu = [c for _, _, c in figures]
-            for shard, s in enumerate(self.syncers):
-                self._observe(shard, s)
+            parts = [self._observe(shard, s) for shard, s in enumerate(self.syncers)]
+            if None not in parts:
+                self.memory_over_time.append([t, parts])
 
     def _cpu(self) -> list[float]:
         return [proc_figures(s["proc"].pid)[2] for s in self.syncers]
 
-    def _observe(self, shard: int, syncer: dict) -> None:
+    def _observe(self, shard: int, syncer: dict) -> dict | None:
+        """Rounds open and learners absent from the syncer's /status; its memory by part (None: no answer)."""
         try:
             st = status(syncer)
         except OSError:  # a busy syncer: the next poll
-            return
+            return None
         now = time.monotonic()
         if self.open_rounds is not None:
             self.open_rounds.observe(shard, st, now)
@@ -276,6 +280,7 @@ class Monitor(threading.Thread):
             elif key not in self._absent:
                 self._absent.add(key)
                 self.absences.append((now, shard, learner["id"]))
+        return st["memory"]
 
 
 def syncer_figures(syncers: list[dict]) -> dict:
@@ -358,6 +363,9 @@ def window_report(before: dict, after: dict, start: float, end: float) -> dict:
                                                                                                before["proc"])],
         "round_open_metric": [rounds_open_in_window(b, a) for b, a in zip(before["open_histograms"],
                                                                           after["open_histograms"])],
+        # over the whole run: pushes refused by reason, and answers sent as full values instead of changes
+        "refusals": [st["refusals"] for st in after["statuses"]],
+        "full_answers": [st["full_answers"] for st in after["statuses"]],
     }
 
 
@@ -375,7 +383,8 @@ def load(args, syncers: list[dict], specs, monitor: Monitor, children: list, dea
     plans = make_plans(args)
     endpoints = [{"address": s["address"], "http": s["http"]} for s in syncers]
     clients = [ctx.Process(target=client_process, daemon=True, args=(
-        i, plans[i::args.processes], endpoints, specs, shared, args.heartbeat_seconds, args.rejoin_seconds))
+        i, plans[i::args.processes], endpoints, specs, shared, args.heartbeat_seconds, args.rejoin_seconds,
+        args.same_start))
         for i in range(args.processes)]
     children += clients
     for c in clients:
@@ -457,10 +466,23 @@ def run(args) -> dict:
     result = {"learners": args.learners, "processes": args.processes, "shards": args.shards,
               "steps_per_second": args.steps_per_second, "heartbeat_seconds": args.heartbeat_seconds, **result,
               "model_bytes": model_bytes, "rss_over_time": monitor.rss_over_time,
-              "cpu_over_time": monitor.cpu_over_time, "phases": monitor.phases}
+              "cpu_over_time": monitor.cpu_over_time, "memory_over_time": monitor.memory_over_time,
+              "memory_at_peak": memory_at_peak(monitor.rss_over_time, monitor.memory_over_time),
+              "phases": monitor.phases}
     if "syncer_peak_rss_bytes" in result:
         result["syncer_peak_rss_over_model"] = [r / model_bytes for r in result["syncer_peak_rss_bytes"]]
     return result
+
+
+def memory_at_peak(rss_over_time: list, memory_over_time: list) -> list[dict]:
+    """Each syncer's memory by part and RSS (its /status) at the sample of its highest RSS that has them."""
+    parts, rss = dict(memory_over_time), dict(rss_over_time)
+    out = []
+    for shard in range(len(rss_over_time[0][1]) if rss_over_time else 0):
+        t = max((t for t in rss if t in parts), key=lambda t: rss[t][shard], default=None)
+        if t is not None:
+            out.append({"seconds": t, **parts[t][shard]})
+    return out
 
 
 def end_children(children: list) -> None:
@@ -525,11 +547,16 @@ def summary(r: dict) -> list[str]:
             f"states at the end     {r['learner_states_at_end']}",
             f"round open longest    {seen_open(r['round_open_longest_seen'])}",
             f"round open (metrics)  {'; '.join(closed_rounds(m) for m in r['round_open_metric'])}",
+            f"refused, full answers {r['refusals']}, {r['full_answers']} (by reason, over the run)",
             f"syncer peak RSS       {[f'{b / 2**30:.2f} GiB' for b in r['syncer_peak_rss_bytes']]} = "
             f"{[f'{x:.1f}x' for x in r['syncer_peak_rss_over_model']]} the model",
             f"syncer CPU            {[f'{x:.2f}' for x in r['syncer_cpu_per_second']]} s per s",
             f"syncer loop lag max   {[f'{x:.0f}' for x in r['syncer_loop_lag_max_ms']]} ms",
         ]
+    for shard, m in enumerate(r.get("memory_at_peak", [])):
+        held = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in m.items() if k not in ("seconds", "rss") and v)
+        lines.append(f"memory at RSS peak    shard {shard}: RSS {m['rss'] / 2**20:.0f} MiB at {m['seconds']} s: {held} "
+                     f"MiB")
     lines.append(f"RSS samples           {len(r['rss_over_time'])}")
     if "stopped_early" in r:
         lines.append(f"stopped early         {r['stopped_early']}")
@@ -545,6 +572,9 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--processes", type=int, help=f"client processes the learners are spread over, each with its own "
                    f"event loop (default: at most {LEARNERS_PER_PROCESS} learners in each)")
+    p.add_argument("--same-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="learners join holding the initial model, as learners built from one seed do, and are sent "
+                        "only the fragments that moved since (on)")
     p.add_argument("--heartbeat-seconds", type=float, default=0.5,
                    help="each learner's heartbeat interval (the real learner's default)")
     p.add_argument("--slow-share", type=float, default=0.25, help="share of the learners that push at --slow-factor "
@@ -563,6 +593,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write the results here (else printed before the summary)")
     args = p.parse_args()
     args.processes = args.processes or max(1, math.ceil(args.learners / LEARNERS_PER_PROCESS))
+    if not 1 <= args.processes < 256:
+        p.error(f"--processes {args.processes}: give 1 to 255")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a plain kill ends the children too, via `run`'s finally
     result = run(args)
     if args.json:

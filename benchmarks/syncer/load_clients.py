@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from diloco.algorithm import codec
+from diloco.algorithm.digest import values_digest
 from diloco.algorithm.fragments import plan_fragments
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -124,16 +125,35 @@ def encoded_payloads(specs) -> dict[int, codec.Encoded]:
     return {f.index: codec.encode(torch.randn(f.numel) * 1e-4, "int4") for f in plan_fragments(specs, TENSORS)}
 
 
+def variant(payload: codec.Encoded, n: int) -> codec.Encoded:
+    """The n-th variant of a fragment's payload: one byte of its int4 values changed (two values by a level or
+    two), so that no two pushes carry the same bytes, which the syncer refuses as replays."""
+    data = bytearray(payload.data)
+    at = len(data) - 1 - n % (len(data) // 2)  # in the values, behind the scales
+    data[at] = (data[at] + 1 + n // (len(data) // 2)) % 256
+    return codec.Encoded(payload.codec, payload.numel, bytes(data), codec.checksum(data))
+
+
+def initial_digests(specs) -> list[bytes]:
+    """What learners built from the run's initial model (zeros) send with their joins: the syncer sends them none
+    of the fragments still at those values."""
+    return [values_digest(torch.zeros(s.numel)) for s in specs]
+
+
 class Client:
     """What the learners of one client process share, and what they measure."""
 
-    def __init__(self, syncers: list[dict], specs, shared: Shared, heartbeat_seconds: float, rejoin_seconds: float):
+    def __init__(self, syncers: list[dict], specs, shared: Shared, heartbeat_seconds: float, rejoin_seconds: float,
+                 same_start: bool, index: int):
         self.syncers, self.specs, self.shared = syncers, specs, shared
+        self.index = index
         self.heartbeat_seconds, self.rejoin_seconds = heartbeat_seconds, rejoin_seconds
         self.payloads = encoded_payloads(specs)
+        self.held = initial_digests(specs) if same_start else []
+        self.pushed = 0  # over the process's learners: each push's variant
         self.versions: dict[int, int] = {}
         self.window = Window()
-        self.counts: Counter = Counter(accepted=0, refused=0, downlink_bytes=0)
+        self.counts: Counter = Counter(accepted=0, refused=0, downlink_bytes=0, join_bytes=0)
         self.heartbeats: list[tuple[float, float]] = []
         """(sent at, seconds to its reply) of every heartbeat answered."""
         self.events: list[tuple[float, str, str]] = []
@@ -161,13 +181,16 @@ class Session:
 
     async def join(self) -> None:
         learner = self.learner
-        request = pb.JoinRequest(learner_id=learner.plan.name, specs=specs_to_proto(learner.client.specs))
+        request = pb.JoinRequest(learner_id=learner.plan.name, specs=specs_to_proto(learner.client.specs),
+                                 held=learner.client.held)
         async with joining(learner.client.shared.gate):
             for stub in self.stubs:  # join every shard; the model it sends is read and dropped
                 secret = None
                 async for reply in stub.Join(request):
                     if reply.HasField("header"):
                         secret = reply.header.session
+                    else:
+                        learner.client.counts["join_bytes"] += len(reply.blob.data)
                 self.secrets.append(secret)
         self.tasks = [asyncio.create_task(learner.push_loop(self))]
         for stub, secret in zip(self.stubs, self.secrets):
@@ -252,9 +275,11 @@ class SyntheticLearner:
             header = pb.PushHeader(learner_id=self.plan.name, session=session.secrets[shard], seq=self.seq,
                                    fragment=fragment, base_version=self.client.versions.get(fragment, 0),
                                    steps=TENSORS, tokens=TENSORS * TOKENS_PER_STEP)
+            self.client.pushed += 1
+            payload = variant(self.client.payloads[fragment], self.client.pushed << 8 | self.client.index)  # < 256 processes
             push = self.pushes[self.seq] = [time.monotonic(), None, None]  # before sending: its answer may come first
             try:
-                reply = await session.stubs[shard].Push(push_chunks(header, self.client.payloads[fragment]))
+                reply = await session.stubs[shard].Push(push_chunks(header, payload))
                 push[1] = reply.accepted
                 self.client.counts["accepted" if reply.accepted else "refused"] += 1
             except grpc.aio.AioRpcError as e:
@@ -305,9 +330,9 @@ async def wait_for(event) -> None:
         await asyncio.sleep(0.05)
 
 
-async def client(plans: list[Plan], syncers: list[dict], specs, shared: Shared, heartbeat_seconds: float,
-                 rejoin_seconds: float) -> dict:
-    c = Client(syncers, specs, shared, heartbeat_seconds, rejoin_seconds)
+async def client(index: int, plans: list[Plan], syncers: list[dict], specs, shared: Shared, heartbeat_seconds: float,
+                 rejoin_seconds: float, same_start: bool) -> dict:
+    c = Client(syncers, specs, shared, heartbeat_seconds, rejoin_seconds, same_start, index)
     shared.out.put(("ready",))
     await wait_for(shared.joins)
     learners = [SyntheticLearner(plan, c) for plan in plans]
@@ -327,10 +352,11 @@ async def client(plans: list[Plan], syncers: list[dict], specs, shared: Shared, 
 
 
 def client_process(index: int, plans: list[Plan], syncers: list[dict], specs, shared: Shared,
-                   heartbeat_seconds: float, rejoin_seconds: float) -> None:
+                   heartbeat_seconds: float, rejoin_seconds: float, same_start: bool) -> None:
     """A client process: its learners on one asyncio loop; their figures go to the parent once told to stop."""
     try:
-        figures = asyncio.run(client(plans, syncers, specs, shared, heartbeat_seconds, rejoin_seconds))
+        figures = asyncio.run(client(index, plans, syncers, specs, shared, heartbeat_seconds, rejoin_seconds,
+                                     same_start))
     except BaseException:
         shared.out.put(("error", f"client process {index}: {traceback.format_exc()}"))
         raise

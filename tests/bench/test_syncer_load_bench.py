@@ -48,5 +48,13 @@ def test_a_small_real_run_shape_is_measured_and_leaves_nothing_running(tmp_path)
     assert r["killed_noticed_absent_seconds"][r["killed"][0]] is not None
     assert len(r["rss_over_time"]) >= 5 and all(rss[0] > 0 for _, rss in r["rss_over_time"])
     assert r["syncer_peak_rss_bytes"][0] > 0 and r["provenance"]["settings"]["learners"] == 6
+    # every push carries bytes of its own: none is refused as a replay of another
+    assert "replayed" not in r["refusals"][0] and "count" in r["full_answers"][0]
+    # joins send the initial model's digests: at least the first gets none of it (a join of it all: 8 models)
+    joins = r["counts"]["joined"] + r["churned_rejoined"]
+    assert joins == 8 and r["counts"]["join_bytes"] <= (joins - 1) * r["model_bytes"]
+    peak = r["memory_at_peak"][0]  # the syncer's memory by part at its highest RSS
+    assert {"model", "changes", "open_rounds", "queued_answers", "receiving"} <= set(peak) and peak["rss"] > 0
+    assert len(r["memory_over_time"]) >= 5
     pids = [*r["pids"]["syncers"], *r["pids"]["clients"], r["pids"]["probe"]]
     wait_for(lambda: not any(running(pid) for pid in pids), timeout=60)
