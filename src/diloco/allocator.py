@@ -17,16 +17,39 @@ ARENAS = 2
 M_ARENA_MAX = -8  # glibc's malloc.h
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name)
+
+
+def heap() -> tuple[int, int] | None:
+    """(bytes malloc has handed out and not got back, bytes it got back and keeps in its arenas for reuse), from
+    glibc's mallinfo2 (`uordblks` + `hblkhd`, `fordblks`); what it keeps is resident once touched and held by
+    nothing. None where that cannot be asked (not glibc, or glibc before 2.33)."""
+    try:
+        libc = _libc()
+        mallinfo2 = libc.mallinfo2 if libc is not None else None
+    except (OSError, AttributeError):
+        return None
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd), int(info.fordblks)
+
+
 def limit_arenas(arenas: int = ARENAS) -> bool:
     """Cap glibc's malloc arenas at `arenas` unless MALLOC_ARENA_MAX is set; False where that is not possible
     (not glibc) or was left to the environment."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(M_ARENA_MAX, arenas))
+        libc = _libc()
+        return libc is not None and bool(libc.mallopt(M_ARENA_MAX, arenas))
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to cap
         return False

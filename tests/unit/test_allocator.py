@@ -1,4 +1,5 @@
-"""The syncer caps glibc's malloc arenas (diloco.allocator): threads that allocate at once share two arenas."""
+"""The syncer caps glibc's malloc arenas (diloco.allocator): threads that allocate at once share two arenas; and the
+memory malloc keeps free for reuse is counted."""
 
 import os
 import subprocess
@@ -51,3 +52,25 @@ def test_the_syncer_caps_malloc_arenas_so_threads_share_freed_memory():
 def test_malloc_arena_max_in_the_environment_wins():
     capped, count = arenas({**os.environ, "MALLOC_ARENA_MAX": "3"})
     assert capped == "False" and count == 3
+
+
+HEAP = textwrap.dedent("""
+    import ctypes
+    from diloco.allocator import heap
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    blocks = [libc.malloc(64 << 10) for _ in range(512)]  # 32 MiB on the heap, under the mmap threshold
+    in_use, before = heap()
+    for b in blocks[:-1]:  # the last one stays: the freed ones cannot be trimmed off the heap's top
+        libc.free(ctypes.c_void_p(b))
+    in_use_after, after = heap()
+    print(in_use - in_use_after, after - before)
+""")
+
+
+@glibc
+def test_memory_given_back_to_malloc_is_counted_as_kept_not_in_use():
+    given_back, kept = map(int, subprocess.run([sys.executable, "-c", HEAP], capture_output=True, text=True,
+                                               timeout=120, check=True).stdout.split())
+    assert given_back >= 511 * (64 << 10)  # no longer in use
+    assert kept >= 0.9 * 511 * (64 << 10)  # and kept for reuse (some of it joined free space there was)

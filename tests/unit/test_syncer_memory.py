@@ -173,3 +173,13 @@ def test_the_memory_report_accounts_for_what_the_core_holds(agreement_floor):
     dropped = {id(pub.payload): len(pub.payload.data) for pub in kept if pub.fragment != 1}  # 1's: superseded
     assert memory.queued_bytes([queue], memory.kept_change_ids(core)) == sum(dropped.values()) + len(full.data)
     assert memory.queued_bytes([queue], {id(pub.payload) for pub in kept}) == len(full.data)
+    # what update streams are sending counts once, and only where no queue or the core holds it already
+    sending = codec.encode(torch.ones(NUMEL), "fp32")
+    assert memory.sending_bytes([sending, sending, full], [queue], set()) == len(sending.data)
+    assert memory.sending_bytes([kept[0].payload], [], {id(kept[0].payload)}) == 0
+
+
+def test_what_malloc_holds_beside_the_parts_is_split_into_other_heap_and_kept_free():
+    parts = {"model": 60, "changes": 15}
+    assert memory.with_heap(parts, (100, 7)) == {**parts, "other_heap": 25, "allocator_free": 7}
+    assert memory.with_heap(parts, None) == {**parts, "other_heap": 0, "allocator_free": 0}  # malloc not asked

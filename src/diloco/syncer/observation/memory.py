@@ -1,14 +1,16 @@
 """What the syncer's memory holds, by part (docs/architecture.md, Syncer memory), for /status and /metrics.
 
 The parts are the terms of the memory formula, counted from the tensors and encoded payloads the core and the
-service hold at the moment of asking. The process's RSS minus their sum is the interpreter, libraries, gRPC's
-buffers and memory the allocator keeps."""
+service hold at the moment of asking; beside them, what malloc has handed out that is in none of them (`other_heap`)
+and what it keeps free for reuse (`allocator_free`). The process's RSS minus their sum is the interpreter's own
+allocator, libraries and code."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers", "receiving")
+PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers", "sending", "receiving",
+         "other_heap", "allocator_free")
 
 
 def _nbytes(t) -> int:
@@ -53,6 +55,25 @@ def queued_bytes(queues, kept: set[int]) -> int:
                 seen.add(id(payload))
                 total += len(payload.data)
     return total
+
+
+def sending_bytes(payloads, queues, kept: set[int]) -> int:
+    """Bytes of the distinct payloads update streams are sending now that neither a queue nor the core holds."""
+    seen = set(kept) | {id(p) for queue in list(queues) for p in queue.payloads()}
+    total = 0
+    for payload in payloads:
+        if id(payload) not in seen:
+            seen.add(id(payload))
+            total += len(payload.data)
+    return total
+
+
+def with_heap(parts: dict[str, int], heap: tuple[int, int] | None) -> dict[str, int]:
+    """`parts` and what malloc says beside them (`allocator.heap`): `other_heap`, what it has handed out that is in
+    no part (gRPC's buffers, payloads being decoded, temporaries, the interpreter's large objects), and
+    `allocator_free`, what it keeps for reuse. Both 0 where malloc cannot be asked."""
+    in_use, free = heap or (0, 0)
+    return {**parts, "other_heap": max(0, in_use - sum(parts.values())) if heap else 0, "allocator_free": free}
 
 
 def kept_change_ids(core) -> set[int]:

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc.aio import AbortError
 
+from diloco import allocator
 from diloco.algorithm import codec
 from diloco.algorithm.digest import check_held, held_fragments
 from diloco.syncer.observation import memory
@@ -96,6 +97,8 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         self._queues: dict[str, UpdateQueue] = {}
         self._streams: dict[tuple[str, str], int] = {}
         """Open Subscribe streams per (learner, session): a learner with one open is connected to this syncer."""
+        self._sending: dict[object, object] = {}
+        """The payload each Subscribe stream is sending now (by a key of its own), taken off its queue."""
         self._init_owner: str | None = None
         """The learner allowed to upload the initial model (the lease), while the syncer has none."""
         self._init_lease = 0
@@ -152,9 +155,11 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
     def memory(self) -> dict[str, int]:
         """Bytes the syncer holds by part (`syncer.memory`), and its RSS."""
         parts = memory.core_parts(self.core)
-        parts["queued_answers"] = memory.queued_bytes(self._queues.values(), memory.kept_change_ids(self.core))
+        kept = memory.kept_change_ids(self.core)
+        parts["queued_answers"] = memory.queued_bytes(self._queues.values(), kept)
+        parts["sending"] = memory.sending_bytes(list(self._sending.values()), self._queues.values(), kept)
         parts["receiving"] = self.push_budget.held
-        return {**parts, "rss": memory.rss_bytes()}
+        return {**memory.with_heap(parts, allocator.heap()), "rss": memory.rss_bytes()}
 
     async def status(self) -> dict:
         """SyncerCore.status plus `stats`, without waiting for the core worker (a merge in progress)."""
@@ -467,6 +472,7 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         queue = self._queue(request.learner_id)
         key = (request.learner_id, session_hash(request.session))  # a restored record knows only the hash
         self._streams[key] = self._streams.get(key, 0) + 1
+        sending = object()
         try:
             while True:
                 item = await queue.get()
@@ -474,10 +480,13 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
                     await self._refuse_revoked(context, self.core.learners.get(request.learner_id))
                     return
                 pub, refused = item if isinstance(item, tuple) else (item, "")
+                self._sending[sending] = pub.payload
                 for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq,
                                   self.core.cfg.wire_compression):
                     yield self._count_out(blob)
+                del self._sending[sending], item, pub  # not held while the next one is awaited
         finally:  # also when the learner's connection ends (a crash): the id is free to join again
+            self._sending.pop(sending, None)
             self._streams[key] -= 1
             if not self._streams[key]:
                 del self._streams[key]
@@ -545,8 +554,8 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         expired_at = absences_at = time.monotonic()
         try:
             while not stop.is_set():
-                publications = await self._core(self.core.poll)
-                self.deliver(publications)
+                # no name for them: one kept across the awaits below held a round's full values after delivery
+                self.deliver(await self._core(self.core.poll))
                 if time.monotonic() - absences_at > ABSENCE_CHECK_SECONDS:
                     absences_at = time.monotonic()
                     await self._ledger(self.core.note_absences)
