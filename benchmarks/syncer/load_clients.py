@@ -228,6 +228,8 @@ class SyntheticLearner:
         self.step = 0
         self.seq = 0  # never reused across sessions: answers are matched to pushes by it
         self.pushes: dict[int, list] = {}
+        self.received: dict[str, int] = {}
+        """Payload bytes read from each session's update stream, which heartbeats report as a learner's do."""
         """seq → [sent at, accepted (None: no reply), first chunk of its answer at (None: none yet)]."""
 
     async def run(self) -> None:
@@ -292,7 +294,8 @@ class SyntheticLearner:
         while True:
             await asyncio.sleep(seconds)
             request = pb.HeartbeatRequest(learner_id=self.plan.name, session=secret, step=self.step,
-                                          tokens_trained=self.step * TOKENS_PER_STEP, pushes=self.seq)
+                                          tokens_trained=self.step * TOKENS_PER_STEP, pushes=self.seq,
+                                          received_bytes=self.received.get(secret, 0))
             sent = time.monotonic()
             try:
                 await stub.Heartbeat(request, timeout=max(2.0, 4 * seconds))
@@ -306,6 +309,7 @@ class SyntheticLearner:
         try:
             async for blob in stub.Subscribe(pb.SubscribeRequest(learner_id=self.plan.name, session=secret)):
                 self.client.counts["downlink_bytes"] += len(blob.data)
+                self.received[secret] = self.received.get(secret, 0) + len(blob.data)
                 push = self.pushes.get(blob.seq) if blob.offset == 0 else None
                 if push is not None and push[2] is None:
                     push[2] = time.monotonic()

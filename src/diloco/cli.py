@@ -79,6 +79,8 @@ def cmd_syncer(args) -> int:
     cfg = resolved_sync_config(args)
     if not 0 <= args.push_buffer < float("inf"):
         raise UserError(f"--push-buffer must be a share of the model's size, 0 (no bound) or more, got {args.push_buffer}")
+    if not 0 <= args.send_window < float("inf"):
+        raise UserError(f"--send-window must be MiB, 0 (no bound) or more, got {args.send_window}")
     state = args.state
     if state is None:  # a syncer always keeps its final model somewhere it says
         state = default_state_folder()
@@ -96,6 +98,7 @@ def cmd_syncer(args) -> int:
                          insecure=args.insecure, status_token=args.status_token,
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
                          exit_when_done=args.exit_when_done, push_buffer_share=args.push_buffer,
+                         send_window=int(args.send_window * 2**20),
                          credentials=args.credentials, client_cert_ids=args.client_cert_ids)
     try:
         status = asyncio.run(serve(cfg, opts))
@@ -277,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="payload bytes of pushes the syncer holds at once, as a share of the model's fp32 size "
                         "(0.25): pushes beyond it wait (never fail), so its memory does not grow with the learners; "
                         "0: no bound")
+    n.add_argument("--send-window", type=float, default=8.0, metavar="MIB",
+                   help="MiB an update stream may send beyond what its learner says it received (8): answers to a "
+                        "slow reader wait in its queue, not in gRPC's buffers; 0: no bound")
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
     b.add_argument("--duration", type=float,

@@ -34,6 +34,9 @@ from diloco.wire.tls import channel_credentials
 
 log = logging.getLogger("diloco.learner")
 MAX_BACKOFF = 2.0  # seconds between retries at most: a returning syncer is noticed within about that
+EARLY_REPORT_SECONDS = 0.1
+"""Heartbeats sent early to report received update bytes come at most this often (the syncer's floor per
+credential is 20 a second)."""
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 SLOW = "the link is too slow or down (raise stall_timeout / --stall-timeout)"
 TLS_FAILURES = (  # (words in gRPC's UNAVAILABLE details, what the learner is told); first match wins
@@ -190,6 +193,12 @@ class GrpcTransport(HeartbeatNews):
         self._ef = codec.ErrorFeedback()
         self._inflight: dict[int, PushJob] = {}
         """Pushes whose merged result has not arrived: re-sent (same seq) after the update stream reconnects."""
+        self._received_data = 0
+        """Payload bytes this session's update streams brought: heartbeats report it, and the syncer sends at most
+        its send window beyond (syncer/serving/send_window.py)."""
+        self._reported_data = 0
+        self._report_due = threading.Event()
+        """Set when a chunk or more came in since the last report: the heartbeat goes early."""
 
     # ---- joining ------------------------------------------------------------------------------------------
     def join(self, learner_id: str, specs: list[TensorSpec], initial) -> JoinInfo:
@@ -238,6 +247,7 @@ class GrpcTransport(HeartbeatNews):
             time.sleep(delay)
             delay = min(delay * 2, MAX_BACKOFF)
         self.config, self.session = info.config, info.session
+        self._received_data = self._reported_data = 0
         self.receiver.reset(info.fragments, keep_overlap=info.config.keep_overlap)
         heap.release_after(self._max_payload)  # the join's message buffers, freed but still held by the heap
         for name, target in (("sender", background(self._send_loop)), ("receiver", background(self._receive_loop)),
@@ -433,6 +443,9 @@ class GrpcTransport(HeartbeatNews):
                     self._resend_inflight()
                 for blob in self._subscription:
                     self.bytes_received += wire_size(blob)
+                    self._received_data += len(blob.data)
+                    if self._received_data - self._reported_data >= CHUNK_BYTES:
+                        self._report_due.set()
                     done = assembler.add(blob)
                     if done is not None and self._inflight.get(done.fragment) is not None \
                             and self._inflight[done.fragment].seq == done.seq:
@@ -474,8 +487,18 @@ class GrpcTransport(HeartbeatNews):
                 self._enqueue(job)
 
     def _heartbeat_loop(self) -> None:
-        while not self._closing.wait(self.config.heartbeat_seconds):
-            request = pb.HeartbeatRequest(learner_id=self.learner_id, session=self.session, **self._progress)
+        sent_at = 0.0
+        while True:
+            # every heartbeat_seconds, and early when the update stream has news to report (not more often than
+            # every EARLY_REPORT_SECONDS)
+            self._report_due.wait(self.config.heartbeat_seconds)
+            self._report_due.clear()
+            if self._closing.wait(max(0.0, sent_at + EARLY_REPORT_SECONDS - time.monotonic())):
+                return
+            sent_at = time.monotonic()
+            received = self._received_data
+            request = pb.HeartbeatRequest(learner_id=self.learner_id, session=self.session, received_bytes=received,
+                                          **self._progress)
             try:
                 reply = self.stub.Heartbeat(request, timeout=max(2.0, 4 * self.config.heartbeat_seconds))
                 self.bytes_sent += wire_size(request)
@@ -483,6 +506,7 @@ class GrpcTransport(HeartbeatNews):
                 self._stop_requested |= reply.stop
                 self._budget_progress = reply.budget_progress if reply.HasField("budget_progress") else None
                 self._phase_lead = reply.phase_lead if reply.HasField("phase_lead") else None
+                self._reported_data = received
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     self._fail(f"heartbeat refused: {e.details()}")
@@ -570,6 +594,7 @@ class GrpcTransport(HeartbeatNews):
 
     def _shutdown(self) -> None:
         self._closing.set()  # stops the sender's retries and the heartbeats
+        self._report_due.set()  # wakes the heartbeat thread to see it
         call = self._push_call
         if call is not None:
             call.cancel()

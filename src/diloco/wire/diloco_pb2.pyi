@@ -173,7 +173,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "session", "step", "tokens_trained", "loss", "data_position", "step_seconds", "pushes", "applied", "speed", "tokens_per_second")
+    __slots__ = ("learner_id", "session", "step", "tokens_trained", "loss", "data_position", "step_seconds", "pushes", "applied", "speed", "tokens_per_second", "received_bytes")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class HeartbeatRequest(_message.Message):
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     SPEED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     session: str
     step: int
@@ -196,7 +197,8 @@ class HeartbeatRequest(_message.Message):
     applied: int
     speed: float
     tokens_per_second: float
-    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., loss: _Optional[float] = ..., data_position: _Optional[int] = ..., step_seconds: _Optional[float] = ..., pushes: _Optional[int] = ..., applied: _Optional[int] = ..., speed: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    received_bytes: int
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., loss: _Optional[float] = ..., data_position: _Optional[int] = ..., step_seconds: _Optional[float] = ..., pushes: _Optional[int] = ..., applied: _Optional[int] = ..., speed: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., received_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("stop", "tokens_trained", "budget_progress", "phase_lead")

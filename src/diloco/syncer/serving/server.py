@@ -28,6 +28,7 @@ from diloco.syncer.at_rest import history_file
 from diloco.syncer.observation.history import History
 from diloco.syncer.serving.http import http_server
 from diloco.syncer.observation.metrics import SyncerMetrics
+from diloco.syncer.serving.send_window import DEFAULT_BYTES as DEFAULT_SEND_WINDOW
 from diloco.syncer.serving.service import SyncerService
 from diloco.syncer.at_rest.store import StateStore
 from diloco.syncer.observation.tape import Tape
@@ -87,6 +88,9 @@ class ServerOptions:
     push_buffer_share: float = 0.25
     """Payload bytes of pushes held at once, as a share of the model's fp32 size; pushes beyond it wait (0: no
     bound; syncer/serving/push_budget.py)."""
+    send_window: int = DEFAULT_SEND_WINDOW
+    """Bytes an update stream may write beyond what its learner reports it received; more waits (0: no bound;
+    syncer/serving/send_window.py)."""
     exit_when_done: bool = False
     """Stop serving once the budget (token_budget, duration) is spent and no learner is live any more: each heard
     the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
@@ -234,7 +238,8 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
     service = SyncerService(core, metrics, opts.token, stall_timeout=opts.stall_timeout,
                             allow_takeover=opts.allow_takeover, initial_model=initial,
                             credentials=Credentials.load(opts.credentials) if opts.credentials else None,
-                            client_cert_ids=opts.client_cert_ids, push_buffer_share=opts.push_buffer_share)
+                            client_cert_ids=opts.client_cert_ids, push_buffer_share=opts.push_buffer_share,
+                            send_window=opts.send_window)
     if on_service:
         on_service(service)
     watch = None

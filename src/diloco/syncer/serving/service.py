@@ -37,6 +37,7 @@ from diloco.syncer.serving.initial_upload import IDLE, InitialUpload
 from diloco.syncer.defences.join_refusals import JoinRefusals
 from diloco.syncer.ledger import session_hash
 from diloco.syncer.serving.push_budget import PushBudget
+from diloco.syncer.serving.send_window import DEFAULT_BYTES as DEFAULT_SEND_WINDOW, SendWindow
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.observation.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
@@ -59,7 +60,8 @@ ABSENCE_CHECK_SECONDS = 0.5
 class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
                  allow_takeover: bool = False, initial_model: InitialModelFile | None = None, credentials=None,
-                 client_cert_ids: bool = False, push_buffer_share: float = 0.25):
+                 client_cert_ids: bool = False, push_buffer_share: float = 0.25,
+                 send_window: int = DEFAULT_SEND_WINDOW):
         """`stall_timeout`: seconds the learner uploading the initial model may send nothing before another joiner
         takes the upload over; also how long any client stream (Init, Push) may send nothing before it is ended.
         `allow_takeover`: a Join under a live id supersedes it without that learner's session secret.
@@ -67,8 +69,10 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         `credentials`: per-learner credentials (`syncer.credentials.Credentials`, --credentials): a listed id joins
         with its own token only. `client_cert_ids`: under mutual TLS, a learner's client certificate names its id
         (its common name) and is its credential. `push_buffer_share`: payload bytes of pushes held at once, as a share
-        of the model's fp32 size (0: no bound; syncer/serving/push_budget.py)."""
+        of the model's fp32 size (0: no bound; syncer/serving/push_budget.py). `send_window`: bytes an update stream
+        may write beyond what its learner reports it received (0: no bound; syncer/serving/send_window.py)."""
         self.core = core
+        self.send_window = send_window
         self.push_buffer_share = push_buffer_share
         self.push_budget = PushBudget()
         self.credentials = credentials
@@ -99,6 +103,8 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         """Open Subscribe streams per (learner, session): a learner with one open is connected to this syncer."""
         self._sending: dict[object, object] = {}
         """The payload each Subscribe stream is sending now (by a key of its own), taken off its queue."""
+        self._windows: dict[tuple[str, str], SendWindow] = {}
+        """Per (learner, session) with an update stream open: how far its streams may run ahead of its learner."""
         self._init_owner: str | None = None
         """The learner allowed to upload the initial model (the lease), while the syncer has none."""
         self._init_lease = 0
@@ -472,6 +478,7 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         queue = self._queue(request.learner_id)
         key = (request.learner_id, session_hash(request.session))  # a restored record knows only the hash
         self._streams[key] = self._streams.get(key, 0) + 1
+        window = self._windows.setdefault(key, SendWindow(self.send_window))
         sending = object()
         try:
             while True:
@@ -483,13 +490,16 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
                 self._sending[sending] = pub.payload
                 for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq,
                                   self.core.cfg.wire_compression):
+                    await window.room_for(len(blob.data))
                     yield self._count_out(blob)
                 del self._sending[sending], item, pub  # not held while the next one is awaited
         finally:  # also when the learner's connection ends (a crash): the id is free to join again
             self._sending.pop(sending, None)
+            window.stream_ended()
             self._streams[key] -= 1
             if not self._streams[key]:
                 del self._streams[key]
+                self._windows.pop(key, None)
 
     async def _check_progress(self, request, context) -> dict:
         """The heartbeat's counters in bounds (and grown at a plausible rate since this session's last heartbeat);
@@ -523,6 +533,9 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
                 f"learner {shown(request.learner_id)} sends heartbeats faster than its credential's share, "
                 f"{self.heartbeats.rate():g} a second over all its ids; the syncer answers at most that many"))
         progress = await self._check_progress(request, context)
+        window = self._windows.get((request.learner_id, session_hash(request.session)))
+        if window is not None and request.HasField("received_bytes"):
+            window.report(request.received_bytes)
         started = time.monotonic()
         try:  # beside the core worker: a merge in progress does not delay it
             stop, lead, tokens, progress_share = await self._ledger(

@@ -1,0 +1,115 @@
+"""An update stream sends a learner that reads slowly no more than its send window beyond what the learner reports
+it received (syncer/serving/send_window.py); before, gRPC took a whole full-value answer into the syncer's memory
+at once, for every such learner."""
+
+import threading
+import time
+
+import grpc
+import torch
+from torch import nn
+
+from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
+from diloco.algorithm import codec
+from diloco.algorithm.fragments import tensor_specs
+from diloco.syncer.ledger import session_hash
+from diloco.syncer.serving import service
+from diloco.wire import diloco_pb2 as pb
+from diloco.wire import diloco_pb2_grpc as pb_grpc
+from diloco.wire.messages import CHUNK_BYTES, specs_to_proto
+from liveness import wait_for
+
+MiB = 1 << 20
+VALUES = 5_000_000  # a 20 MB fragment of fp32 values: ten chunks
+
+
+class Big(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(VALUES))
+        self.b = nn.Parameter(torch.zeros(10))
+
+
+def push_chunks(header, data: bytes):
+    yield pb.PushChunk(header=header)
+    for at in range(0, len(data), CHUNK_BYTES):
+        yield pb.PushChunk(data=data[at:at + CHUNK_BYTES])
+
+
+def test_a_slow_reader_is_sent_a_window_beyond_what_it_reported(monkeypatch):
+    written, original = [], service.blobs
+
+    def counting(*args, **kwargs):
+        for blob in original(*args, **kwargs):
+            yield blob
+            written.append(len(blob.data))  # resumed: gRPC took the chunk
+
+    monkeypatch.setattr(service, "blobs", counting)
+    # a window of one chunk: gRPC's own flow control takes a few chunks of a stream nobody reads before it holds back
+    syncer = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4),
+                          ServerOptions(listen="127.0.0.1:0", http=None, send_window=CHUNK_BYTES))
+    channel = grpc.insecure_channel(syncer.address)
+    try:
+        Learner(Big(), GrpcTransport(syncer.address), "first").close()
+        stub = pb_grpc.SyncerStub(channel)
+        join = pb.JoinRequest(learner_id="slow", specs=specs_to_proto(tensor_specs(Big())))
+        session = [r for r in stub.Join(join)][0].header.session
+        stream = stub.Subscribe(pb.SubscribeRequest(learner_id="slow", session=session))  # not read for now
+        window = lambda: syncer.service._windows.get(("slow", session_hash(session)))  # noqa: E731
+        wait_for(lambda: window() is not None, timeout=30)
+
+        def report(received: int) -> None:
+            stub.Heartbeat(pb.HeartbeatRequest(learner_id="slow", session=session, received_bytes=received))
+
+        report(0)
+        written.clear()  # the join's chunks
+        # a push of non-finite values is refused: the learner is sent the fragment's full values, 20 MB
+        bad = codec.encode(torch.full((VALUES,), float("nan")), "fp32")
+        header = pb.PushHeader(learner_id="slow", session=session, seq=1, fragment=0, base_version=0, steps=1,
+                               tokens=8, codec="fp32", numel=VALUES, total_bytes=len(bad.data), checksum=bad.checksum)
+        assert stub.Push(push_chunks(header, bytes(bad.data))).resync
+        wait_for(lambda: window().waiting, timeout=30)
+        assert sum(written) == window().written == CHUNK_BYTES  # of 20 MB: the rest waits for the learner
+        report(CHUNK_BYTES)  # one chunk in: one more may go
+        wait_for(lambda: window().written == 2 * CHUNK_BYTES, timeout=30)
+        received = []
+
+        def read():
+            try:
+                for blob in stream:
+                    received.append(len(blob.data))
+            except grpc.RpcError:  # cancelled at the end
+                pass
+
+        threading.Thread(target=read, daemon=True).start()
+        report(4 * VALUES)  # all of it: the stream finishes the answer
+        wait_for(lambda: sum(received) == 4 * VALUES, timeout=60)
+        stream.cancel()
+    finally:
+        channel.close()
+        syncer.stop()
+
+
+def test_a_learner_reports_what_it_received_and_trains_through_a_small_window():
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
+                          ServerOptions(listen="127.0.0.1:0", http=None, send_window=64 << 10))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(16, 1024), nn.Linear(1024, 1024))  # changes of 1 MB: past the window
+        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        deadline = time.monotonic() + 120
+        while learner.applied < 2:  # answers are applied at steps: train until two came through the window
+            assert time.monotonic() < deadline, f"{learner.pushes} pushes, {learner.applied} applied"
+            loss = model(torch.arange(16)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            learner.step(16)
+            time.sleep(0.02)
+        key = ("a", session_hash(learner.transport.session))
+        reported = syncer.service._windows[key].received
+        assert reported is not None and reported > 64 << 10  # its heartbeats say what came in
+        learner.finish()
+    finally:
+        syncer.stop()
