@@ -6,7 +6,8 @@ large model over gRPC, heartbeating, some slow, some leaving and coming back, so
 The syncer (or --shards syncer processes) runs as `diloco syncer` with the decoupled defaults (P = 24, H = 24) and
 --absent-after-seconds. One client uploads the initial model (--params fp32 values in 24 equal tensors); then
 --learners synthetic learners, asyncio clients spread over --processes client processes, join (each downloads the
-model, not kept; JOINS_AT_ONCE at a time over all processes), and each runs the push schedule at its pace: at every
+model's fragments that moved since it started, not kept; JOINS_AT_ONCE at a time over all processes), and once
+all are in (--start-together) each runs the push schedule at its pace: at every
 step the fragment due is pushed with a pre-encoded int4 outer gradient, on the version the syncer's /status last
 showed, and its merged fragments are read from its update stream. Each heartbeats every --heartbeat-seconds, as a
 real learner does. The measured window (--seconds) starts once every learner is in. The run's shape, drawn with
@@ -396,8 +397,11 @@ def load(args, syncers: list[dict], specs, monitor: Monitor, children: list, dea
         return {**result, "stopped_early": "--max-seconds reached while the client processes started"}
     monitor.mark("joins")
     joins_started = time.monotonic()
+    if not args.start_together:
+        shared.pushing.set()
     shared.joins.set()
     all_joined = inbox.until(lambda: inbox.joined == args.learners, deadline)
+    shared.pushing.set()
     result["joined"] = inbox.joined
     if not all_joined:
         collect(shared, inbox, len(clients), probe=False)
@@ -575,6 +579,9 @@ def main() -> None:
     p.add_argument("--same-start", action=argparse.BooleanOptionalAction, default=True,
                    help="learners join holding the initial model, as learners built from one seed do, and are sent "
                         "only the fragments that moved since (on)")
+    p.add_argument("--start-together", action=argparse.BooleanOptionalAction, default=True,
+                   help="learners start pushing once every one has joined, as learners launched together do (on); "
+                        "--no-start-together: each right after its own join, so later joins meet rounds under way")
     p.add_argument("--heartbeat-seconds", type=float, default=0.5,
                    help="each learner's heartbeat interval (the real learner's default)")
     p.add_argument("--slow-share", type=float, default=0.25, help="share of the learners that push at --slow-factor "

@@ -82,12 +82,13 @@ def make_plans(args) -> list[Plan]:
 
 
 class Shared:
-    """What the parent and its client processes share: the join gate, the phase events, the window's start
+    """What the parent and its client processes share: the join gate, the phase events (joins open, pushes open,
+    the window, the end), the window's start
     (time.monotonic: one clock for every process on Linux) and the queue of messages to the parent."""
 
     def __init__(self, ctx):
         self.gate = ctx.Semaphore(JOINS_AT_ONCE)
-        self.joins, self.go, self.stop = ctx.Event(), ctx.Event(), ctx.Event()
+        self.joins, self.pushing, self.go, self.stop = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
         self.window_start = ctx.Value("d", 0.0)
         self.out = ctx.Queue()
 
@@ -268,6 +269,7 @@ class SyntheticLearner:
             await asyncio.sleep(1.0)
 
     async def push_loop(self, session: Session) -> None:
+        await wait_for(self.client.shared.pushing)
         started, first = time.monotonic(), self.step
         while True:
             self.step += 1

@@ -1,4 +1,5 @@
-"""glibc's malloc arenas: at most ARENAS in a syncer process, so memory freed by one thread is reused by the others.
+"""glibc's malloc in a syncer process: at most ARENAS arenas, so memory freed by one thread is reused by the others;
+large blocks mapped on their own (`map_large`), so what is freed goes back to the system; and what it holds.
 
 glibc gives each thread that allocates while another holds an arena a new arena, up to 8 per core, and keeps what
 a thread frees in its own arena. The syncer's threads (gRPC's, the core worker, the ledger) take turns allocating
@@ -15,6 +16,9 @@ import os
 
 ARENAS = 2
 M_ARENA_MAX = -8  # glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+MAP_ABOVE = 4 << 20
+"""Allocations of this size or more get pages of their own, returned to the system when freed."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -41,6 +45,22 @@ def heap() -> tuple[int, int] | None:
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return int(info.uordblks + info.hblkhd), int(info.fordblks)
+
+
+def map_large(threshold: int = MAP_ABOVE) -> bool:
+    """Serve allocations of `threshold` bytes or more with pages of their own (mmap), given back when freed, unless
+    MALLOC_MMAP_THRESHOLD_ is set; False where that is not possible. glibc raises its threshold to the size of each
+    mapped block freed (up to 32 MiB), after which fragment-sized payloads and temporaries came from the heap and
+    what they freed stayed there: a 64-learner load's syncer kept 2.7 GiB free and resident at its peak
+    (benchmarks/LOG.md, "The syncer under a load shaped like a real run"). Fragment-sized buffers that recur are
+    reused on purpose (syncer/buffers.py), so few mappings are made anew; 2 MiB chunks stay on the heap."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = _libc()
+        return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def limit_arenas(arenas: int = ARENAS) -> bool:

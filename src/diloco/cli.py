@@ -71,10 +71,11 @@ def cmd_credentials(args) -> int:
 
 
 def cmd_syncer(args) -> int:
-    from diloco.allocator import limit_arenas
+    from diloco.allocator import limit_arenas, map_large
     from diloco.syncer.serving.server import ServerOptions, serve
 
     limit_arenas()  # before any thread allocates (diloco.allocator)
+    map_large()
 
     cfg = resolved_sync_config(args)
     if not 0 <= args.push_buffer < float("inf"):

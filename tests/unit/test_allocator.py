@@ -74,3 +74,27 @@ def test_memory_given_back_to_malloc_is_counted_as_kept_not_in_use():
                                                timeout=120, check=True).stdout.split())
     assert given_back >= 511 * (64 << 10)  # no longer in use
     assert kept >= 0.9 * 511 * (64 << 10)  # and kept for reuse (some of it joined free space there was)
+
+
+
+LARGE = textwrap.dedent("""
+    import ctypes, sys
+    from diloco.allocator import heap, map_large
+    print(map_large() if sys.argv[1] == "map" else "-")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free(ctypes.c_void_p(libc.malloc(16 << 20)))  # a mapped block freed: glibc raises its threshold past 8 MiB
+    blocks = [libc.malloc(8 << 20) for _ in range(8)]
+    for b in blocks[:-1]:
+        libc.free(ctypes.c_void_p(b))
+    print(heap()[1] >= 48 << 20)  # the 56 MiB freed kept in the heap
+""")
+
+
+@glibc
+@pytest.mark.parametrize("mapped", [False, True])
+def test_large_blocks_freed_go_back_to_the_system_not_to_the_heap(mapped):
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", LARGE, "map" if mapped else "default"], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == (["True", "False"] if mapped else ["-", "True"])
