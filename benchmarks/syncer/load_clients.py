@@ -297,7 +297,7 @@ class SyntheticLearner:
             await asyncio.sleep(seconds)
             request = pb.HeartbeatRequest(learner_id=self.plan.name, session=secret, step=self.step,
                                           tokens_trained=self.step * TOKENS_PER_STEP, pushes=self.seq,
-                                          received_bytes=self.received.get(secret, 0))
+                                          step_seconds=1.0 / self.plan.pace, received_bytes=self.received.get(secret, 0))
             sent = time.monotonic()
             try:
                 await stub.Heartbeat(request, timeout=max(2.0, 4 * seconds))
@@ -374,8 +374,8 @@ def heartbeat_probe(address: str, specs, ready, go, stop, out) -> None:
     every 50 ms and put the reply times (seconds) on `out`."""
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     stub = pb_grpc.SyncerStub(channel)
-    request = pb.JoinRequest(learner_id="probe", specs=specs_to_proto(specs))
-    session = next(r.header.session for r in stub.Join(request) if r.HasField("header"))  # rest of the model: dropped
+    request = pb.JoinRequest(learner_id="probe", specs=specs_to_proto(specs), held=initial_digests(specs))
+    session = next(r.header.session for r in stub.Join(request) if r.HasField("header"))  # what moved: dropped
     ready.set()
     go.wait()
     latencies = []
