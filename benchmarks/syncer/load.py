@@ -40,6 +40,7 @@ import math
 import multiprocessing
 import os
 import queue
+import shlex
 import signal
 import socket
 import statistics
@@ -81,15 +82,17 @@ class Model(torch.nn.Module):
         self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(side, side)) for _ in range(TENSORS))
 
 
-def start_syncers(shards: int, learners: int, absent_after: float, folder: Path, started: list) -> list[dict]:
-    """Start the syncers, each Popen appended to `started` as soon as it runs, for the caller to end."""
+def start_syncers(shards: int, learners: int, absent_after: float, folder: Path, started: list,
+                  extra: list[str] = ()) -> list[dict]:
+    """Start the syncers, each Popen appended to `started` as soon as it runs, for the caller to end; `extra`: more
+    of `diloco syncer`'s flags."""
     out = []
     for i in range(shards):
         grpc_port, http_port = free_port(), free_port()
         state = folder / f"shard-{i}"
         cmd = [sys.executable, "-m", "diloco", "syncer", "--listen", f"127.0.0.1:{grpc_port}", "--http",
                f"127.0.0.1:{http_port}", "--learners", str(learners), "--state", str(state),
-               "--absent-after-seconds", str(absent_after)]
+               "--absent-after-seconds", str(absent_after), *extra]
         if shards > 1:
             cmd += ["--shard", f"{i}/{shards}"]
         with open(folder / f"syncer-{i}.log", "w") as log:
@@ -454,7 +457,8 @@ def run(args) -> dict:
     monitor = None
     with tempfile.TemporaryDirectory() as folder:
         try:
-            syncers = start_syncers(args.shards, args.learners, args.absent_after_seconds, Path(folder), children)
+            syncers = start_syncers(args.shards, args.learners, args.absent_after_seconds, Path(folder), children,
+                                    shlex.split(args.syncer_args))
             monitor = Monitor(syncers)
             monitor.start()
             addresses = [s["address"] for s in syncers]
@@ -594,6 +598,8 @@ def main() -> None:
                    "window's first half: silent, channel closed without Leave, never back (0.0625)")
     p.add_argument("--absent-after-seconds", type=float, default=5.0, help="the syncers' flag: a learner silent this "
                    "long is absent (5, so that a killed one shows absent in the window)")
+    p.add_argument("--syncer-args", default="", help="more flags for every `diloco syncer`, as one string (e.g. "
+                   "\"--agreement-floor 0\")")
     p.add_argument("--seed", type=int, default=0, help="which learners are slow, churned or killed, and when")
     p.add_argument("--max-seconds", type=float, default=900.0, help="wall time for the whole run: past it, stop and "
                    "report what was measured (900)")
