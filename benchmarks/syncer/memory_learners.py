@@ -3,7 +3,8 @@
     python -m benchmarks.syncer.memory_learners --learners 2 8 --steps 200 --json runs/syncer-memory-learners.json
 
 For each M: a `diloco syncer` process (decoupled defaults), and M `Learner`s in this process on one model of
---params values in 24 equal tensors (one per fragment), stepped in turn with a small change per step, then
+--params values in 24 equal tensors (one per fragment), stepped in turn with a small change per step (a shared
+drift and noise of each learner's own, so that the syncer refuses no push as a replay), then
 finished (every learner flushes what it has left at once, as at the end of a run). A thread reads the syncer's
 /status every 50 ms; reported per M: the syncer's peak RSS (VmHWM) and its parts (`memory` in /status:
 docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in MiB and as multiples of the fp32
@@ -73,8 +74,8 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str]) -
             for _ in range(steps):
                 for m, learner in zip(models, running):
                     with torch.no_grad():
-                        for p in m.parameters():
-                            p.add_(1e-4)
+                        for p in m.parameters():  # a shared drift and noise of its own: no two pushes alike
+                            p.add_(torch.randn_like(p), alpha=1e-5).add_(1e-4)
                     learner.step(1024)
             phase[0] = "finish"
             for learner in running:
