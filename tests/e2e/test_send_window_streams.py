@@ -106,7 +106,6 @@ def test_a_learner_reports_what_it_received_and_trains_through_a_small_window():
             loss.backward()
             optimizer.step()
             learner.step(16)
-            time.sleep(0.02)
         key = ("a", session_hash(learner.transport.session))
 
         def reported() -> bool:  # its heartbeats say what came in (the next one, on a busy machine)

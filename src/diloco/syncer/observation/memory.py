@@ -45,27 +45,25 @@ def core_parts(core) -> dict[str, int]:
     return parts
 
 
-def queued_bytes(queues, kept: set[int]) -> int:
-    """Bytes of the distinct payloads waiting in learners' update queues that the core no longer holds (full
-    values, or changes that left the window); `kept`: ids of the payloads the core still keeps."""
-    seen, total = set(kept), 0
-    for queue in list(queues):
-        for payload in queue.payloads():
-            if id(payload) not in seen:
-                seen.add(id(payload))
-                total += len(payload.data)
-    return total
-
-
-def sending_bytes(payloads, queues, kept: set[int]) -> int:
-    """Bytes of the distinct payloads update streams are sending now that neither a queue nor the core holds."""
-    seen = set(kept) | {id(p) for queue in list(queues) for p in queue.payloads()}
+def _distinct_bytes(payloads, seen: set[int]) -> int:
+    """Bytes of the payloads whose ids are not in `seen`, each counted once (`seen` grows with them)."""
     total = 0
     for payload in payloads:
         if id(payload) not in seen:
             seen.add(id(payload))
             total += len(payload.data)
     return total
+
+
+def queued_bytes(queues, kept: set[int]) -> int:
+    """Bytes of the distinct payloads waiting in learners' update queues that the core no longer holds (full
+    values, or changes that left the window); `kept`: ids of the payloads the core still keeps."""
+    return _distinct_bytes((p for queue in list(queues) for p in queue.payloads()), set(kept))
+
+
+def sending_bytes(payloads, queues, kept: set[int]) -> int:
+    """Bytes of the distinct payloads update streams are sending now that neither a queue nor the core holds."""
+    return _distinct_bytes(payloads, set(kept) | {id(p) for queue in list(queues) for p in queue.payloads()})
 
 
 def with_heap(parts: dict[str, int], heap: tuple[int, int] | None) -> dict[str, int]:
