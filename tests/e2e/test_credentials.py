@@ -19,7 +19,7 @@ from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
 from diloco.syncer.defences import credentials
 from diloco.syncer.serving.server import ServerOptions, SyncerThread
-from diloco.syncer.serving.service import MAX_STREAMS
+from diloco.syncer.serving.update_streams import MAX_STREAMS
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from liveness import wait_for

@@ -28,15 +28,14 @@ from diloco.algorithm import codec
 from diloco.algorithm.digest import check_held, held_fragments
 from diloco.syncer.observation import memory
 from diloco.syncer.core import Refused, SyncerCore
-from diloco.syncer.downlink import Publication, for_current_session
 from diloco.syncer.serving.rpc_errors import ShuttingDown, guarded, short
 from diloco.syncer.defences.heartbeat_budget import HeartbeatBudget
 from diloco.syncer.at_rest.initial_model import InitialModelFile
 from diloco.syncer.serving.admission import Admission
 from diloco.syncer.serving.initial_upload import IDLE, InitialUpload
 from diloco.syncer.defences.join_refusals import JoinRefusals
-from diloco.syncer.ledger import session_hash
 from diloco.syncer.serving.push_budget import PushBudget
+from diloco.syncer.serving.update_streams import MAX_STREAMS, UpdateStreams
 from diloco.syncer.serving.send_window import DEFAULT_BYTES as DEFAULT_SEND_WINDOW, SendWindow
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.observation.metrics import SyncerMetrics
@@ -48,16 +47,13 @@ from diloco.wire.compression import unpack
 from diloco.wire.messages import blobs, specs_from_proto
 
 log = logging.getLogger("diloco.syncer")
-MAX_STREAMS = 4
-"""Update streams, and push streams, one learner may hold open at once (a learner uses one of each; a reconnect
-may overlap the old stream briefly): one party cannot multiply what it costs the syncer."""
 EXPIRY_SECONDS = 10.0
 """How often departed learners' records are looked at for expiry (SyncerCore.expire)."""
 ABSENCE_CHECK_SECONDS = 0.5
 """How often learners are looked at for a new absence, which is logged (SyncerCore.note_absences)."""
 
 
-class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
+class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServicer):
     def __init__(self, core: SyncerCore, metrics: SyncerMetrics, token: str | None = None, stall_timeout: float = 60.0,
                  allow_takeover: bool = False, initial_model: InitialModelFile | None = None, credentials=None,
                  client_cert_ids: bool = False, push_buffer_share: float = 0.25,
@@ -229,31 +225,7 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
         await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "idle stream",
                            f"{what}: nothing arrived for {seconds:.0f} s; the syncer ended the stream")
 
-    def _new_queue(self) -> UpdateQueue:
-        # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
-        # never reads reaches this
-        return UpdateQueue(16 * max(len(self.core.fragments), self.core.cfg.fragments) + 64)
-
-    def _queue(self, learner_id: str) -> UpdateQueue:
-        """The learner's update queue; created on demand for learners restored from saved state."""
-        queue = self._queues.get(learner_id)
-        if queue is None:
-            queue = self._queues[learner_id] = self._new_queue()
-        return queue
-
-    def deliver(self, publications: list[Publication]) -> None:
-        for pub in publications:
-            record = self.core.learners.get(pub.learner)
-            if for_current_session(pub, record) and not record.revoked:
-                self._queue(pub.learner).put_nowait(pub)
-        if publications:
-            self.metrics.observe_rounds(self.core)
-
     # ---- membership ---------------------------------------------------------------------------------------
-    def update_streams(self, learner_id: str) -> int:
-        """Update streams open for `learner_id`, over all its sessions."""
-        return sum(n for (lid, _), n in list(self._streams.items()) if lid == learner_id)
-
     def _live_for(self, learner_id: str) -> float | None:
         """Seconds since `learner_id` joined if its current session is live here (its update stream is open and
         it was heard from within the absence timeout); None otherwise."""
@@ -462,45 +434,6 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
                              resync=result.resync, stop=self.core.should_stop())
         return self._count_out(reply)
 
-    @guarded
-    async def Subscribe(self, request, context):
-        self._count_in(request)
-        record = self.core.learners.get(request.learner_id)
-        if record is None or not record.check_session(request.session):
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
-                               f"unknown learner or wrong session for learner {shown(request.learner_id)}: it left, "
-                               f"re-joined elsewhere or never joined; join again")
-        await self._refuse_revoked(context, record)
-        if self.update_streams(request.learner_id) >= MAX_STREAMS:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams", (
-                f"learner {shown(request.learner_id)} has {MAX_STREAMS} update streams open already; a learner "
-                f"needs one"))
-        queue = self._queue(request.learner_id)
-        key = (request.learner_id, session_hash(request.session))  # a restored record knows only the hash
-        self._streams[key] = self._streams.get(key, 0) + 1
-        window = self._windows.setdefault(key, SendWindow(self.send_window))
-        sending = object()
-        try:
-            while True:
-                item = await queue.get()
-                if item is None:  # ended: superseded by a new join, forgotten, the syncer stops, or revoked
-                    await self._refuse_revoked(context, self.core.learners.get(request.learner_id))
-                    return
-                pub, refused = item if isinstance(item, tuple) else (item, "")
-                self._sending[sending] = pub.payload
-                for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq,
-                                  self.core.cfg.wire_compression):
-                    await window.room_for(len(blob.data))
-                    yield self._count_out(blob)
-                del self._sending[sending], item, pub  # not held while the next one is awaited
-        finally:  # also when the learner's connection ends (a crash): the id is free to join again
-            self._sending.pop(sending, None)
-            window.stream_ended()
-            self._streams[key] -= 1
-            if not self._streams[key]:
-                del self._streams[key]
-                self._windows.pop(key, None)
-
     async def _check_progress(self, request, context) -> dict:
         """The heartbeat's counters in bounds (and grown at a plausible rate since this session's last heartbeat);
         its floats finite and in range, or left out (a diverged learner's NaN loss is not news the core can use)."""
@@ -533,9 +466,7 @@ class SyncerService(Admission, InitialUpload, pb_grpc.SyncerServicer):
                 f"learner {shown(request.learner_id)} sends heartbeats faster than its credential's share, "
                 f"{self.heartbeats.rate():g} a second over all its ids; the syncer answers at most that many"))
         progress = await self._check_progress(request, context)
-        window = self._windows.get((request.learner_id, session_hash(request.session)))
-        if window is not None and request.HasField("received_bytes"):
-            window.report(request.received_bytes)
+        self._report_received(request)
         started = time.monotonic()
         try:  # beside the core worker: a merge in progress does not delay it
             stop, lead, tokens, progress_share = await self._ledger(

@@ -1,0 +1,93 @@
+"""The update streams: each learner's queue of merged fragments and resyncs, and Subscribe, which sends them within
+the learner's send window (syncer/serving/send_window.py)."""
+
+from __future__ import annotations
+
+import grpc
+
+from diloco.syncer.downlink import Publication, for_current_session
+from diloco.syncer.ledger import session_hash
+from diloco.syncer.serving.rpc_errors import guarded
+from diloco.syncer.serving.send_window import SendWindow
+from diloco.syncer.updates import UpdateQueue
+from diloco.wire.bounds import shown
+from diloco.wire.messages import blobs
+
+MAX_STREAMS = 4
+"""Update streams, and push streams, one learner may hold open at once (a learner uses one of each; a reconnect
+may overlap the old stream briefly): one party cannot multiply what it costs the syncer."""
+
+
+class UpdateStreams:
+    """Update queues and Subscribe; mixed into SyncerService, whose state (`_queues`, `_streams`, `_windows`,
+    `_sending`, `send_window`, `core`, `metrics`) and helpers (`_refuse`, `_refuse_revoked`, counting) it uses."""
+
+    def _new_queue(self) -> UpdateQueue:
+        # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
+        # never reads reaches this
+        return UpdateQueue(16 * max(len(self.core.fragments), self.core.cfg.fragments) + 64)
+
+    def _queue(self, learner_id: str) -> UpdateQueue:
+        """The learner's update queue; created on demand for learners restored from saved state."""
+        queue = self._queues.get(learner_id)
+        if queue is None:
+            queue = self._queues[learner_id] = self._new_queue()
+        return queue
+
+    def deliver(self, publications: list[Publication]) -> None:
+        for pub in publications:
+            record = self.core.learners.get(pub.learner)
+            if for_current_session(pub, record) and not record.revoked:
+                self._queue(pub.learner).put_nowait(pub)
+        if publications:
+            self.metrics.observe_rounds(self.core)
+
+    def update_streams(self, learner_id: str) -> int:
+        """Update streams open for `learner_id`, over all its sessions."""
+        return sum(n for (lid, _), n in list(self._streams.items()) if lid == learner_id)
+
+
+    def _report_received(self, request) -> None:
+        """A heartbeat's `received_bytes` moves its session's send window."""
+        window = self._windows.get((request.learner_id, session_hash(request.session)))
+        if window is not None and request.HasField("received_bytes"):
+            window.report(request.received_bytes)
+
+    @guarded
+    async def Subscribe(self, request, context):
+        self._count_in(request)
+        record = self.core.learners.get(request.learner_id)
+        if record is None or not record.check_session(request.session):
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "unknown learner or wrong session",
+                               f"unknown learner or wrong session for learner {shown(request.learner_id)}: it left, "
+                               f"re-joined elsewhere or never joined; join again")
+        await self._refuse_revoked(context, record)
+        if self.update_streams(request.learner_id) >= MAX_STREAMS:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams", (
+                f"learner {shown(request.learner_id)} has {MAX_STREAMS} update streams open already; a learner "
+                f"needs one"))
+        queue = self._queue(request.learner_id)
+        key = (request.learner_id, session_hash(request.session))  # a restored record knows only the hash
+        self._streams[key] = self._streams.get(key, 0) + 1
+        window = self._windows.setdefault(key, SendWindow(self.send_window))
+        sending = object()
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:  # ended: superseded by a new join, forgotten, the syncer stops, or revoked
+                    await self._refuse_revoked(context, self.core.learners.get(request.learner_id))
+                    return
+                pub, refused = item if isinstance(item, tuple) else (item, "")
+                self._sending[sending] = pub.payload
+                for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq,
+                                  self.core.cfg.wire_compression):
+                    await window.room_for(len(blob.data))
+                    yield self._count_out(blob)
+                del self._sending[sending], item, pub  # not held while the next one is awaited
+        finally:  # also when the learner's connection ends (a crash): the id is free to join again
+            self._sending.pop(sending, None)
+            window.stream_ended()
+            self._streams[key] -= 1
+            if not self._streams[key]:
+                del self._streams[key]
+                self._windows.pop(key, None)
