@@ -78,6 +78,10 @@ def cmd_syncer(args) -> int:
     map_large()
 
     cfg = resolved_sync_config(args)
+    if cfg.split_tensors and args.shard[1] > 1:
+        raise UserError("--split-tensors cannot be used with --shard: each shard writes whole tensors to its model "
+                        "file, and a split tensor's pieces would lie in several shards; run one syncer, or shard "
+                        "without --split-tensors")
     if not 0 <= args.push_buffer < float("inf"):
         raise UserError(f"--push-buffer must be a share of the model's size, 0 (no bound) or more, got {args.push_buffer}")
     if not 0 <= args.send_window < float("inf"):

@@ -17,7 +17,7 @@ REPEAT_PUSHES = ("close", "replace")
 """Values of `SyncConfig.repeat_push`."""
 
 PAPER = dict(
-    keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False,
+    keep_overlap=False, align_pushes=False, grace_expect_steps=0.0, scale_partial_rounds=False, split_tensors=False,
     delayed_momentum=False, clamp_long_contributions=False, publish_to="live", max_norm_ratio=0.0, norm_ceiling=0.0, clip_norm_ratio=0.0,
     max_counter_ratio=0.0, max_round_ratio=0.0, direction_floor=0.0, agreement_floor=0.0, refuse_replays=False,
     outer_lr=0.7,
@@ -40,6 +40,11 @@ class SyncConfig:
     is the published remedy."""
     fragments: int = 24
     """P: number of fragments the model is split into; one is exchanged every H/P steps."""
+    split_tensors: bool = False
+    """Ours (the paper's fragments are whole tensors). Cut a tensor larger than a fragment's share of the model into
+    pieces in several fragments, so that no fragment is much larger than a P-th of the model: a learner's costliest
+    push and apply shrink with it (a GPT's tied embedding and head are 47% of a 36M model, 31% of GPT-2). RDA then
+    takes each piece's norm instead of its tensor's. Not with a sharded syncer (each shard writes whole tensors)."""
     sync_every: int = 24
     """H: inner steps between two pushes of the same fragment."""
     overlap: int = 2

@@ -44,7 +44,7 @@ class LocalTransport(HeartbeatNews):
             core = self.local.core
             try:
                 if not core.initialized:
-                    core.initialize(specs, initial(core.cfg.fragments))
+                    core.initialize(specs, initial(core.cfg.fragments, core.cfg.split_tensors))
                 self.session = core.join(learner_id, specs)
             except Refused as e:
                 raise SyncerError(str(e)) from None

@@ -17,7 +17,7 @@ PRESETS = static.constant("diloco.config", "PRESETS")
 WIRE_COMPRESSIONS = static.constant("diloco.config", "WIRE_COMPRESSIONS")
 REPEAT_PUSHES = static.constant("diloco.config", "REPEAT_PUSHES")
 
-SYNC_FLAGS = ("fragments", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
+SYNC_FLAGS = ("fragments", "split_tensors", "sync_every", "overlap", "quorum", "codec", "down_codec", "grace", "merge", "outer_lr",
               "outer_momentum", "max_staleness", "staleness_decay", "blend", "error_feedback", "heartbeat_seconds",
               "absent_after_seconds", "delayed_momentum", "momentum_every", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds", "direction_floor",
@@ -96,6 +96,9 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--max-staleness", type=int, help="refuse contributions this many versions behind (16)")
     g.add_argument("--max-steps-ratio", type=float,
                    help="refuse contributions of more than this many times H local steps (0: merge them, counted as H)")
+    g.add_argument("--split-tensors", action=argparse.BooleanOptionalAction, default=None,
+                   help="cut tensors larger than a P-th of the model into pieces in several fragments, so that no "
+                        "push or apply costs much more than another (default: off, the paper's whole tensors)")
     g.add_argument("--scale-partial-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="scale a round's step by its share of the expected tokens (default preset: on; paper: off)")
     g.add_argument("--clamp-long-contributions", action=argparse.BooleanOptionalAction, default=None,

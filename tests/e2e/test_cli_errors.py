@@ -38,6 +38,8 @@ def run_cli(capsys, *argv):
     (["run", "--z-loss", "nan"], "--z-loss must be 0 or a positive number"),
     (["run", "--pace", "-1"], "--pace must be a positive number of seconds, auto or off"),
     (["run", "--syncer-shards", "0"], "--syncer-shards must be at least 1"),
+    (["run", "--syncer-shards", "2", "--split-tensors"], "--split-tensors cannot be used with --syncer-shards"),
+    (["syncer", "--shard", "1/2", "--split-tensors"], "--split-tensors cannot be used with --shard"),
     (["run", "--mode", "dp", "--initial-model", "file"], "--initial-model file applies to runs with a syncer"),
     (["run", "--syncer-shards", "2", "--chaos", "syncer-crash"], "take one syncer; drop --syncer-shards"),
     (["run", "--publish-to", "live"], "--publish-to live needs --down-codec fp32"),

@@ -156,3 +156,73 @@ def test_schedule_each_fragment_every_h_steps():
     assert pushes[0] == [12, 24, 36, 48]
     assert pushes[1] == [3, 15, 27, 39]
     assert all(b - a == H for ts in pushes.values() for a, b in zip(ts, ts[1:]))
+
+
+def covered(layout):
+    """{name: sorted [start, stop) ranges} of every trained value the layout's parameter fragments hold."""
+    out = {}
+    for f in layout:
+        if f.role == "params":
+            for s in f.specs:
+                out.setdefault(s.name, []).append((s.start, s.start + s.numel))
+    return {name: sorted(r) for name, r in out.items()}
+
+
+def test_a_split_layout_keeps_fragments_near_a_pth_of_the_model_and_holds_every_value_once():
+    s = specs([470, 60, 60, 200, 20, 90, 100], embedding={"t0"})
+    total = sum(x.numel for x in s)
+    whole = plan_fragments(s, 7)  # the most whole tensors allow
+    assert whole[0].numel == 470  # the embedding alone: 47% of the model in one fragment
+    layout = plan_fragments(s, 8, split=True)
+    assert len(layout) == 8 and plan_fragments(list(s), 8, split=True) == layout
+    assert max(f.numel for f in layout) <= 2 * total / 8 and min(f.numel for f in layout) >= 1
+    for name, ranges in covered(layout).items():  # contiguous, no gap, no overlap, up to the tensor's end
+        size = next(x.numel for x in s if x.name == name)
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    embedding = [f for f in layout if any(x.embedding for x in f.specs)]
+    assert [f.index for f in embedding] == [0, 1, 2, 3] and all(f.embedding for f in embedding)  # round(8 × 0.47)
+    for f in layout:  # the model's order inside a fragment, a tensor's pieces by their start
+        keys = [(int(x.name[1:]), x.start) for x in f.specs]
+        assert keys == sorted(keys)
+
+
+def test_a_gpt2_sized_model_split_has_no_fragment_above_a_fifth_more_than_its_share():
+    from diloco.train.model import ModelConfig, build_model
+
+    with torch.device("meta"):
+        model = build_model(ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12), 0)
+    s = tensor_specs(model)
+    total = sum(x.numel for x in s if x.kind == "param")
+    whole = [f.numel for f in plan_fragments(s, 24) if f.role == "params"]
+    split = [f.numel for f in plan_fragments(s, 24, split=True) if f.role == "params"]
+    assert max(whole) > 0.3 * total  # the tied embedding and head, and the positions
+    assert len(split) == 24 and max(split) <= 1.2 * total / 24
+
+
+def test_split_with_one_fragment_or_small_tensors_changes_nothing_and_too_many_fragments_are_refused():
+    s = specs([4, 5, 6], embedding={"t1"})
+    assert plan_fragments(s, 1, split=True) == plan_fragments(s, 1)
+    assert plan_fragments(s, 15, split=True)[-1].numel == 1  # one value each
+    with pytest.raises(ValueError, match="it has 15 trained values; choose --fragments between 1 and 15"):
+        plan_fragments(s, 16, split=True)
+    assert fit_fragments(s, 16, split=True) == 15
+
+
+def test_pieces_are_gathered_and_scattered_in_place_and_a_non_contiguous_tensor_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 6), nn.Linear(6, 40), nn.Linear(40, 3))
+    s = tensor_specs(model)
+    layout = plan_fragments(s, 5, split=True)
+    assert any(not x.whole for f in layout for x in f.specs)
+    state = dict(model.state_dict(keep_vars=True))
+    before = {k: v.detach().clone() for k, v in state.items()}
+    flats = [gather(state, f) for f in layout]
+    assert sum(f.numel() for f in flats) == sum(v.numel() for v in before.values())
+    for f, flat in zip(layout, flats):
+        scatter(flat * 2, state, f)
+    assert all(torch.equal(state[k].detach(), 2 * v) for k, v in before.items())
+    piece = next(x for f in layout for x in f.specs if not x.whole)
+    state[piece.name] = state[piece.name].detach().t()  # a transposed view: its flat values are not one span
+    with pytest.raises(ValueError, match="not contiguous in memory.*without --split-tensors"):
+        gather(state, next(f for f in layout if piece in f.specs))

@@ -127,3 +127,19 @@ def test_without_outer_momentum_only_theta_is_written_and_the_run_resumes_alike(
         push_value(c, "a", sa, 3, value=0.75)
         c.poll()
     assert torch.equal(core.fragments[1].outer_values(), restarted.fragments[1].outer_values())
+
+
+def test_a_restarted_core_lays_out_a_split_model_as_it_was_stored(tmp_path):
+    specs = [TensorSpec("emb", (40, 2), "float32", True), TensorSpec("w", (30, 2), "float32")]
+    core = stored_core(StateStore(tmp_path), split_tensors=True)
+    layout = plan_fragments(specs, 3, split=True)
+    assert any(not s.whole for f in layout for s in f.specs)
+    core.initialize(specs, [torch.arange(f.numel, dtype=torch.float32) for f in layout])
+    sa = core.join("a", specs)
+    push_value(core, "a", sa, 1)
+    core.poll()
+    restarted = stored_core(StateStore(tmp_path), split_tensors=True)
+    assert restarted.restore()
+    assert [fs.fragment for fs in restarted.fragments] == layout
+    assert all(torch.equal(a.outer_values(), b.outer_values()) for a, b in zip(core.fragments, restarted.fragments))
+    assert all(torch.equal(v, core.params()[k]) for k, v in restarted.params().items())

@@ -36,12 +36,21 @@ def tensor_digests(specs: list[TensorSpec], state: dict[str, torch.Tensor]) -> l
 
 def fragment_digests(layout: Iterable[Fragment], flats: Iterable[torch.Tensor]) -> dict[str, bytes]:
     """Digests by tensor name of the fragments' flat fp32 values (the syncer's initial model)."""
-    out = {}
+    out, pieces = {}, {}
     for fragment, flat in zip(layout, flats):
         offset = 0
         for s in fragment.specs:
-            out[s.name] = values_digest(flat[offset : offset + s.numel])
+            values = flat[offset : offset + s.numel]
+            if s.whole:
+                out[s.name] = values_digest(values)
+            else:  # a split tensor: its pieces in order, digested as the whole tensor's values
+                pieces.setdefault(s.name, []).append((s.start, values))
             offset += s.numel
+    for name, parts in pieces.items():
+        h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        for _, values in sorted(parts, key=lambda part: part[0]):
+            h.update(values.contiguous().numpy().data)
+        out[name] = h.digest()
     return out
 
 

@@ -239,7 +239,8 @@ class GrpcTransport(HeartbeatNews):
                     info = reply
                     break
                 if reply.need_init:
-                    self._initialise(request, initial(reply.fragments))
+                    split = SyncConfig.from_json(reply.config_json).split_tensors if reply.config_json else False
+                    self._initialise(request, initial(reply.fragments, split))
                     continue  # join again, now to receive the model
                 # another learner uploads the initial model: the syncer answers, so this wait is not a timeout
                 deadline = time.monotonic() + self.connect_timeout
@@ -321,7 +322,8 @@ class GrpcTransport(HeartbeatNews):
 
     def _held(self, blob: pb.Blob, header: pb.JoinHeader | None, request: pb.JoinRequest, initial):
         """(fragment, version, values) of a fragment the syncer says we hold: our own, checked to be what it means."""
-        ours = initial(SyncConfig.from_json(header.config_json).fragments) if header is not None else []
+        config = SyncConfig.from_json(header.config_json) if header is not None else None
+        ours = initial(config.fragments, config.split_tensors) if config is not None else []
         if not request.held or blob.version != 0 or blob.fragment >= len(ours):  # P fragments, then buffers, static
             raise SyncerError(f"the syncer at {self.address} marked fragment {blob.fragment} (version {blob.version}) "
                               f"of {len(ours)} as already held, which this learner cannot be: it is faulty or not a "

@@ -34,12 +34,14 @@ class InitialModel:
     def __init__(self, specs: list[TensorSpec], state: dict[str, torch.Tensor]):
         self.specs, self.state = specs, state
         self._digests: list[bytes] | None = None
-        self._layouts: dict[int, InitialValues] = {}
+        self._layouts: dict[tuple[int, bool], InitialValues] = {}
 
-    def __call__(self, num_fragments: int) -> InitialValues:
-        if num_fragments not in self._layouts:
-            self._layouts[num_fragments] = InitialValues(fitted_layout(self.specs, num_fragments), self.state)
-        return self._layouts[num_fragments]
+    def __call__(self, num_fragments: int, split: bool = False) -> InitialValues:
+        """The values in the syncer's layout: `num_fragments` and its `split_tensors`."""
+        if (num_fragments, split) not in self._layouts:
+            self._layouts[num_fragments, split] = InitialValues(fitted_layout(self.specs, num_fragments, split),
+                                                                self.state)
+        return self._layouts[num_fragments, split]
 
     def digests(self) -> list[bytes]:
         if self._digests is None:

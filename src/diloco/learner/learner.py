@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from diloco.config import SyncConfig
-from diloco.algorithm.fragments import Fragment, full, plan_fragments, scatter, tensor_specs
+from diloco.algorithm.fragments import Fragment, full, part, plan_fragments, scatter, tensor_specs
 from diloco.learner.costs import StepCosts
 from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restore_switch_interval
 from diloco.learner.initial import InitialModel
@@ -165,7 +165,7 @@ class Learner:
             raise SyncerError(self._error)
         self.config: SyncConfig = info.config if info else SyncConfig.from_json(config_json)
         self.data_position = position
-        self.layout = plan_fragments(self.specs, self.config.fragments)
+        self.layout = plan_fragments(self.specs, self.config.fragments, self.config.split_tensors)
         values = {i: (version, v) for i, version, v in info.fragments} if info else {}
         self.slots: list[FragmentSlot] = []
         for fragment in self.layout:
@@ -326,12 +326,14 @@ class Learner:
         if self._model_tensors is not None:
             return self._model_tensors.tensors(fragment.specs)
         state = self._state()
-        return [state[s.name] for s in fragment.specs]
+        return [part(state[s.name], s) for s in fragment.specs]
 
     def _local(self, fragment: Fragment) -> list[torch.Tensor]:
         """The fragment's whole local tensors (all-gathered when sharded: every rank calls this together)."""
-        tensors = self._tensors(fragment)
-        return [full(t) for t in tensors] if self.sharded else tensors
+        if self.sharded:
+            state = self._state()
+            return [part(full(state[s.name]), s) for s in fragment.specs]
+        return self._tensors(fragment)
 
     def _push(self, p: int, finishing: bool = False) -> None:
         """Push fragment p's progress (in a sharded island every rank calls this: the gather is a collective).

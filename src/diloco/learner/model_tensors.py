@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch.nn.modules import module as torch_module
 
-from diloco.algorithm.fragments import TensorSpec, named_state, unwrap
+from diloco.algorithm.fragments import TensorSpec, named_state, part, unwrap
 
 
 def checked_state(model: torch.nn.Module, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
@@ -58,13 +58,13 @@ class ModelTensors:
         return self._state
 
     def tensors(self, specs) -> list[torch.Tensor]:
-        """The tensors of `specs` (a fragment's), their shapes checked."""
+        """The tensors of `specs` (a fragment's), their shapes checked; a piece as a flat view of its part."""
         state = self.state()
         out = []
         for s in specs:
             t = state.get(s.name)
             check(t, s)
-            out.append(t)
+            out.append(part(t, s))
         return out
 
     def close(self) -> None:

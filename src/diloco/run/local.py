@@ -104,10 +104,13 @@ def make_plan(args) -> Plan:
     checks.corpus(train, args.learners)  # refused here, not by each of the processes it would have started
     if args.mode != "dp":
         sync = for_mode(args.mode, args.learners, **sync_overrides(args))
+        if sync.split_tensors and shards > 1:
+            raise ValueError("--split-tensors cannot be used with --syncer-shards: a split tensor's pieces would lie "
+                             "in several shards' models; use one syncer, or shard without --split-tensors")
         from diloco.algorithm.fragments import plan_fragments, tensor_specs
         from diloco.train.model import build_model
 
-        plan_fragments(tensor_specs(build_model(train.model, train.seed)), sync.fragments)  # refuse a bad P now
+        plan_fragments(tensor_specs(build_model(train.model, train.seed)), sync.fragments, sync.split_tensors)  # a bad P now
     out = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}"
     if out.is_dir() and any(out.iterdir()):
         raise ValueError(f"run directory {out} exists and is not empty; choose another --out")

@@ -78,6 +78,8 @@ class SyncerCore(Membership, RoundTiming):
         (docs/architecture.md, Sharded syncers); (0, 1) owns them all."""
         if not 0 <= shard[0] < shard[1]:
             raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 ≤ i < N")
+        if shard[1] > 1 and cfg.split_tensors:
+            raise ValueError("split tensors cannot be sharded: a tensor's pieces would lie in several shards' models")
         self.shard = shard
         self.cfg = cfg
         self.store = store
@@ -150,10 +152,10 @@ class SyncerCore(Membership, RoundTiming):
         """
         if self.initialized:
             return False
-        fitted = fit_fragments(specs, self.cfg.fragments)
+        fitted = fit_fragments(specs, self.cfg.fragments, self.cfg.split_tensors)
         if fitted != self.cfg.fragments:
             self.cfg = replace(self.cfg, fragments=fitted)
-        layout = plan_fragments(specs, self.cfg.fragments)
+        layout = plan_fragments(specs, self.cfg.fragments, self.cfg.split_tensors)
         if len(flats) != len(layout) or any(f.numel() != fr.numel for f, fr in zip(flats, layout) if self.owns(fr.index)):
             raise Refused("initial parameters do not match the model's fragment layout")
         for fr, f in zip(layout, flats):
@@ -200,11 +202,16 @@ class SyncerCore(Membership, RoundTiming):
     def params(self) -> dict[str, torch.Tensor]:
         """The global model as its whole state_dict: every tensor in its own dtype, in model order, an alias (a tied
         head) as a copy of the tensor it shares, so that `load_state_dict(strict=True)` takes it as it is."""
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for fs in self.owned:
             offset, theta = 0, fs.outer_values()
             for s in fs.fragment.specs:
-                out[s.name] = theta[offset : offset + s.numel].view(s.shape).to(getattr(torch, s.dtype)).clone()
+                values = theta[offset : offset + s.numel]
+                if s.whole:
+                    out[s.name] = values.view(s.shape).to(getattr(torch, s.dtype)).clone()
+                else:  # a piece: the tensor is whole once every fragment has added its own
+                    whole = out.setdefault(s.name, torch.empty(s.shape, dtype=getattr(torch, s.dtype)))
+                    whole.view(-1)[s.start : s.stop] = values
                 offset += s.numel
         # a shard's model holds its own fragments' tensors (and aliases of them): the shards' files together are
         # the whole state_dict

@@ -105,7 +105,7 @@ def _parse(led: dict, ledger_name: str):
     try:
         cfg = SyncConfig(**led["config"])
         specs = [TensorSpec(n, tuple(shape), dtype, emb, *rest) for n, shape, dtype, emb, *rest in led["specs"]]
-        layout = plan_fragments(specs, cfg.fragments)
+        layout = plan_fragments(specs, cfg.fragments, cfg.split_tensors)
         for key in ("versions", "pending_share", "rounds", "refusals", "learners", "quorum_avg", "sync_avg",
                     "started_unix"):
             led[key]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.algorithm.fragments import TensorSpec, fitted_layout
+from diloco.algorithm.fragments import TensorSpec, fitted_layout, values_of
 
 log = logging.getLogger("diloco.syncer")
 
@@ -44,8 +44,9 @@ def load(path: Path) -> InitialModelFile:
     return InitialModelFile(Path(path), tensors)
 
 
-def fragment_values(specs: list[TensorSpec], fragments: int, source: InitialModelFile) -> list[torch.Tensor]:
-    """The file's values as flat fp32 fragments in the layout these specs give with `fragments` (as
+def fragment_values(specs: list[TensorSpec], fragments: int, source: InitialModelFile,
+                    split: bool = False) -> list[torch.Tensor]:
+    """The file's values as flat fp32 fragments in the layout these specs give with `fragments` and `split` (as
     `SyncerCore.initialize` plans it). ValueError names the tensors the file lacks or holds in another shape."""
     wanted = [s for s in specs if s.kind != "alias"]
     missing = [s.name for s in wanted if s.name not in source.tensors]
@@ -60,5 +61,5 @@ def fragment_values(specs: list[TensorSpec], fragments: int, source: InitialMode
     if unused:
         log.warning("--initial-model %s: %d tensors the model does not have are ignored (e.g. %r)", source.path,
                     len(unused), sorted(unused)[0])
-    return [torch.cat([source.tensors[s.name].reshape(-1).to(torch.float32) for s in f.specs])
-            for f in fitted_layout(specs, fragments)]
+    return [torch.cat([values_of(source.tensors[s.name].contiguous(), s).to(torch.float32) for s in f.specs])
+            for f in fitted_layout(specs, fragments, split)]

@@ -126,7 +126,8 @@ class InitialUpload:
         the file does not fit is refused, and the file waits for the next."""
         source = self._initial_file
         try:
-            flats = await asyncio.to_thread(initial_model.fragment_values, specs, self.core.cfg.fragments, source)
+            flats = await asyncio.to_thread(initial_model.fragment_values, specs, self.core.cfg.fragments, source,
+                                          self.core.cfg.split_tensors)
             adopted = await self._core(self._adopt, specs, flats)
         except (ValueError, Refused) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
