@@ -299,7 +299,7 @@ def load(args, syncers: list[dict], specs, monitor: Monitor, children: list, dea
     endpoints = [{"address": s["address"], "http": s["http"]} for s in syncers]
     clients = [ctx.Process(target=client_process, daemon=True, args=(
         i, plans[i::args.processes], endpoints, specs, shared, args.heartbeat_seconds, args.rejoin_seconds,
-        args.same_start))
+        args.same_start, args.clients_nice))
         for i in range(args.processes)]
     children += clients
     for c in clients:
@@ -442,6 +442,9 @@ def main() -> None:
                    "long is absent (5, so that a killed one shows absent in the window)")
     p.add_argument("--syncer-args", default="", help="more flags for every `diloco syncer`, as one string (e.g. "
                    "\"--agreement-floor 0\")")
+    p.add_argument("--clients-nice", type=int, default=0, help="lower the client processes' CPU priority by this much "
+                   "(19: the syncer and the probe run first, as a syncer on a machine of its own would; the learners' "
+                   "own latencies then include their wait for the CPU)")
     p.add_argument("--seed", type=int, default=0, help="which learners are slow, churned or killed, and when")
     p.add_argument("--max-seconds", type=float, default=900.0, help="wall time for the whole run: past it, stop and "
                    "report what was measured (900)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import contextlib
 import random
 import time
@@ -358,8 +359,11 @@ async def client(index: int, plans: list[Plan], syncers: list[dict], specs, shar
 
 
 def client_process(index: int, plans: list[Plan], syncers: list[dict], specs, shared: Shared,
-                   heartbeat_seconds: float, rejoin_seconds: float, same_start: bool) -> None:
-    """A client process: its learners on one asyncio loop; their figures go to the parent once told to stop."""
+                   heartbeat_seconds: float, rejoin_seconds: float, same_start: bool, nice: int = 0) -> None:
+    """A client process: its learners on one asyncio loop; their figures go to the parent once told to stop. `nice`:
+    its CPU priority lowered by that much, so that the syncer and the probe run first."""
+    if nice:
+        os.nice(nice)
     try:
         figures = asyncio.run(client(index, plans, syncers, specs, shared, heartbeat_seconds, rejoin_seconds,
                                      same_start))

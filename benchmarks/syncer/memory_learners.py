@@ -8,7 +8,7 @@ drift and noise of each learner's own, so that the syncer refuses no push as a r
 finished (every learner flushes what it has left at once, as at the end of a run). A thread reads the syncer's
 /status every 50 ms; reported per M: the syncer's peak RSS (VmHWM) and its parts (`memory` in /status:
 docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in MiB and as multiples of the fp32
-model. The learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer
+model, and the syncer's CPU seconds per push from the learners' join to their finish (what --mmap-threshold costs). The learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer
 is what this measures.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,13 +36,21 @@ def proc_mib(pid: int, field: str) -> float:
     return next(int(line.split()[1]) / 1024 for line in open(f"/proc/{pid}/status") if line.startswith(field))
 
 
-def measure(learners: int, params: float, steps: int, syncer_flags: list[str]) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(learners: int, params: float, steps: int, syncer_flags: list[str], mmap_threshold: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         grpc_port, http_port = free_port(), free_port()
         state = Path(folder) / "state"
         syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--listen", f"127.0.0.1:{grpc_port}",
                                    "--http", f"127.0.0.1:{http_port}", "--learners", str(learners), "--state",
-                                   str(state), *syncer_flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   str(state), *syncer_flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env={**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}
+                                                        if mmap_threshold else {})})
         try:
             deadline = time.monotonic() + 120
             while not (state / "ready.json").exists():
@@ -66,6 +75,7 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str]) -
                     time.sleep(0.05)
 
             threading.Thread(target=sample, daemon=True).start()
+            cpu_at_start = cpu_seconds(syncer.pid)
             models = [Model(params) for _ in range(learners)]
             fp32 = 4 * sum(p.numel() for p in models[0].parameters())
             started = time.monotonic()
@@ -83,6 +93,8 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str]) -
             time.sleep(1.0)  # a last sample after the flush
             done.set()
             hwm = proc_mib(syncer.pid, "VmHWM")
+            cpu = cpu_seconds(syncer.pid) - cpu_at_start
+            pushes = sum(learner.pushes for learner in running)
         finally:
             syncer.terminate()
             syncer.wait(60)
@@ -91,7 +103,9 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str]) -
     return {"learners": learners, "model_mib": round(fp32 / mib, 1), "baseline_rss_mib": round(baseline, 1),
             "peak_rss_mib": round(hwm, 1), "peak_over_model": round(hwm * mib / fp32, 2),
             "peak_above_baseline_over_model": round((hwm - baseline) * mib / fp32, 2),
-            "parts_at_peak_mib": parts, "peak_phase": peak.get("phase"), "seconds": round(time.monotonic() - started)}
+            "parts_at_peak_mib": parts, "peak_phase": peak.get("phase"), "seconds": round(time.monotonic() - started),
+            "mmap_threshold": mmap_threshold, "syncer_cpu_seconds": round(cpu, 2), "pushes": pushes,
+            "syncer_cpu_ms_per_push": round(1e3 * cpu / max(pushes, 1), 2)}
 
 
 def main() -> int:
@@ -100,16 +114,19 @@ def main() -> int:
     p.add_argument("--params", type=float, default=1.7e7, help="model values (24 equal tensors)")
     p.add_argument("--steps", type=int, default=200, help="inner steps of every learner before it finishes")
     p.add_argument("--syncer-flags", default="", help="extra `diloco syncer` flags")
+    p.add_argument("--mmap-threshold", type=int, help="the syncer's MALLOC_MMAP_THRESHOLD_ in bytes (its default: "
+                   "diloco.allocator.MAP_ABOVE)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
     results = []
     for m in args.learners:
-        results.append(measure(m, args.params, args.steps, args.syncer_flags.split()))
+        results.append(measure(m, args.params, args.steps, args.syncer_flags.split(), args.mmap_threshold))
         r = results[-1]
         print(f"M = {m:3d}: peak RSS {r['peak_rss_mib']:.0f} MiB = {r['peak_over_model']:.2f}× the model "
               f"({r['model_mib']:.0f} MiB), {r['peak_above_baseline_over_model']:.2f}× above the syncer's idle "
-              f"{r['baseline_rss_mib']:.0f} MiB; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}",
+              f"{r['baseline_rss_mib']:.0f} MiB; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}; "
+              f"syncer CPU {r['syncer_cpu_ms_per_push']:.1f} ms a push ({r['pushes']} pushes)",
               flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

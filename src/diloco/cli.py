@@ -84,6 +84,9 @@ def cmd_syncer(args) -> int:
                         "without --split-tensors")
     if not 0 <= args.push_buffer < float("inf"):
         raise UserError(f"--push-buffer must be a share of the model's size, 0 (no bound) or more, got {args.push_buffer}")
+    if not 0 <= args.agreement_buffer < float("inf"):
+        raise UserError(f"--agreement-buffer must be a share of the model's size, 0 (no bound) or more, got "
+                        f"{args.agreement_buffer}")
     if not 0 <= args.send_window < float("inf"):
         raise UserError(f"--send-window must be MiB, 0 (no bound) or more, got {args.send_window}")
     state = args.state
@@ -103,7 +106,7 @@ def cmd_syncer(args) -> int:
                          insecure=args.insecure, status_token=args.status_token,
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
                          exit_when_done=args.exit_when_done, push_buffer_share=args.push_buffer,
-                         send_window=int(args.send_window * 2**20),
+                         send_window=int(args.send_window * 2**20), agreement_buffer_share=args.agreement_buffer,
                          credentials=args.credentials, client_cert_ids=args.client_cert_ids)
     try:
         status = asyncio.run(serve(cfg, opts))
@@ -288,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--send-window", type=float, default=8.0, metavar="MIB",
                    help="MiB an update stream may send beyond what its learner says it received (8): answers to a "
                         "slow reader wait in its queue, not in gRPC's buffers; 0: no bound")
+    n.add_argument("--agreement-buffer", type=float, default=0.25, metavar="SHARE",
+                   help="bytes of open rounds' payloads the agreement test keeps in memory, as a share of the model's "
+                        "fp32 size (0.25): beyond it they wait in unnamed files in the --state folder until their "
+                        "round closes, so memory does not grow with the learners; 0: no bound")
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
     b.add_argument("--duration", type=float,

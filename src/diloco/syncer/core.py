@@ -42,6 +42,7 @@ from diloco.syncer.defences import agreement, replayed
 from diloco.syncer.defences.direction_guard import DirectionGuard
 from diloco.syncer.downlink import Publication
 from diloco.syncer.fragment_state import Contribution, FragmentState
+from diloco.syncer.kept_payloads import KeptPayloads
 from diloco.syncer.defences.norm_guard import NormGuard
 from diloco.syncer.defences.reference import Counters
 from diloco.syncer.at_rest.store import StateStore
@@ -91,6 +92,8 @@ class SyncerCore(Membership, RoundTiming):
         self.specs: list[TensorSpec] | None = None
         self.fragments: list[FragmentState] = []
         self.buffers = Buffers()
+        self.kept_payloads = KeptPayloads()
+        """The agreement test's payloads of open rounds; the server bounds what stays in memory."""
         """Decoded pushes and RDA sums, reused (sized by `bound_buffers` once the fragments are known)."""
         self.learners: dict[str, LearnerRecord] = {}
         self.departed = {"trained": 0, "budget": 0.0, "merged": 0.0}
@@ -439,6 +442,8 @@ class SyncerCore(Membership, RoundTiming):
         # the version cannot change while the round is open, so the weight is the one the round closes with
         c.direction, c.cosine = direction, cosine
         weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay) * direction
+        if encoded is not None:  # in memory up to its budget, beyond it on disk (syncer/kept_payloads.py)
+            encoded = self.kept_payloads.keep(fragment, encoded, 4 * sum(f.fragment.numel for f in self.owned))
         c.sketch, c.encoded, c.scale, c.weight = sketch, encoded, scale, weight
         try:
             self.repeat.fold(self.buffers, fs, method, learner_id, delta, weight, norms, payload, older is not None)

@@ -81,7 +81,12 @@ def agreed(core, fs, contributions: list, merging: StreamingMerge) -> StreamingM
         if c.weight * factor <= 0 and again.base > 0:
             continue  # folded in with no weight: nothing
         delta = core.buffers.take(fs.fragment.numel)
-        codec.decode(c.encoded, delta)
+        try:
+            codec.decode(core.kept_payloads.load(c.encoded), delta)
+        except (codec.CorruptPayload, OSError) as e:  # a kept payload the disk gave back damaged: no exact sums
+            core.buffers.give(delta)
+            again.failed = f"a kept payload of {c.learner} could not be read back: {e}"
+            return again
         delta.mul_(c.scale * factor)
         again.add(delta, c.weight * factor)
         if again.sum is not delta:
@@ -154,6 +159,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         downlink.publish_change(fs, version, core.cfg.down_codec, theta)
     core.buffers.give(delta)  # the round's sum (and Θ made in it), used by nothing any more
     del delta, merging, theta
+    core.kept_payloads.release(index)  # the agreement test has read what it needed
     # ---- the bookkeeping, under the lock
     with core.lock:
         fs.pending_share = pending_share
@@ -295,6 +301,7 @@ def drop(core, index: int, fs, contributions: list, reason: str, decision: dict 
     contributions count as merged (re-sends are duplicates) but add no tokens, and each contributor is sent what
     takes it to the last good values."""
     release_kept(core, fs)
+    core.kept_payloads.release(index)
     with core.lock:
         fs.pending, fs.opened_at, fs.quorum_at, fs.at_quorum = {}, None, None, None
         for c in contributions:

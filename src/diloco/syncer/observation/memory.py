@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diloco.algorithm.codec import Encoded
+
 PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers", "sending", "receiving",
          "other_heap", "allocator_free")
 
@@ -37,7 +39,7 @@ def core_parts(core) -> dict[str, int]:
         parts["open_rounds"] += sum(_nbytes(kept[0]) for kept in list(fs.kept.values()))  # --repeat-push replace
         for c in list(fs.pending.values()):  # the agreement test (`SyncConfig.agreement_floor`): sketches, payloads
             parts["open_rounds"] += _nbytes(c.sketch)
-            if c.encoded is not None:
+            if isinstance(c.encoded, Encoded):  # not one waiting on disk (syncer/kept_payloads.py)
                 payloads[id(c.encoded)] = len(c.encoded.data)
         parts["open_rounds"] += sum(payloads.values())
         parts["outer_state"] += sum(_nbytes(sketch) for _, sketch in list(fs.agreement_peers.values()))

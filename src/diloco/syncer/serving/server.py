@@ -21,6 +21,7 @@ from diloco.config import SyncConfig
 from diloco.syncer.observation.annotations import Annotations
 from diloco.syncer.at_rest import initial_model
 from diloco.syncer.core import SyncerCore
+from diloco.syncer.kept_payloads import KeptPayloads
 from diloco.syncer.defences.credentials import Credentials
 from diloco.syncer.defences.credentials_watch import CredentialsWatch
 from diloco.syncer.at_rest.folder_lock import FolderLock
@@ -91,6 +92,9 @@ class ServerOptions:
     send_window: int = DEFAULT_SEND_WINDOW
     """Bytes an update stream may write beyond what its learner reports it received; more waits (0: no bound;
     syncer/serving/send_window.py)."""
+    agreement_buffer_share: float = 0.25
+    """Bytes of the agreement test's payloads of open rounds kept in memory, as a share of the model's fp32 size;
+    beyond it they wait in unnamed files in `out` until their round closes (0: no bound; syncer/kept_payloads.py)."""
     exit_when_done: bool = False
     """Stop serving once the budget (token_budget, duration) is spent and no learner is live any more: each heard
     the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
@@ -223,6 +227,8 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
                         accept_rollback=opts.accept_rollback, accept_unsigned=opts.accept_unsigned)
              if opts.out else None)
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
+    if opts.agreement_buffer_share > 0:
+        core.kept_payloads = KeptPayloads(opts.agreement_buffer_share, opts.out)
     resumed = core.restore()
     if resumed:
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
@@ -356,6 +362,7 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
         else:
             status.update(health(core))
         service.shutdown()
+        core.kept_payloads.close()
         if core.tape is not None:
             core.tape.record("stop", rounds=core.rounds)
             core.tape.close()
