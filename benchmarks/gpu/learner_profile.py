@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="35m", choices=("35m", "124m"))
     p.add_argument("--batch", type=int, default=16, help="sequences per step (16)")
     p.add_argument("--steps", type=int, default=40, help="steps per measured phase (40)")
+    p.add_argument("--split-tensors", action="store_true", help="the run's layout cuts tensors larger than a P-th of "
+                   "the model (the tied embedding and head) into pieces in several fragments")
     p.add_argument("--out", type=Path, default=Path("runs/learner_profile"))
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -65,8 +67,9 @@ def main(argv=None) -> int:
                     learner_host_mean=statistics.fmean(learner_host))
 
     result: dict = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        torch=torch.__version__, model=args.model, batch=[batch, cfg.seq_len], steps=steps)
-    with SyncerProcess(learners=1) as syncer:
+                        torch=torch.__version__, model=args.model, batch=[batch, cfg.seq_len], steps=steps,
+                        split_tensors=args.split_tensors)
+    with SyncerProcess(learners=1, split_tensors=args.split_tensors) as syncer:
         learner = Learner(rep.model, GrpcTransport(syncer.address, **join_deadlines(GrpcTransport)), "profile")
         try:
             phase(None), phase(learner)  # warm-up

@@ -26,6 +26,7 @@ import torch
 from benchmarks.learner.overhead import SyncerProcess, join_deadlines
 from benchmarks.learner.walk import MODELS
 from benchmarks.provenance import stamped
+from diloco.train.train_config import ModelConfig
 
 H = 24
 
@@ -36,12 +37,15 @@ def compute(ms: float, a: torch.Tensor) -> None:
         torch.mm(a, a)
 
 
+SMOKE = ModelConfig(vocab_size=512, seq_len=64, d_model=64, n_layers=2, n_heads=2)
+
+
 def run(name: str, split: bool, cycles: int, step_ms: float) -> dict:
     from diloco import GrpcTransport, Learner
     from diloco.train.model import build_model
 
     torch.set_num_threads(1)
-    model = build_model(MODELS[name], 0)
+    model = build_model(SMOKE if name == "smoke" else MODELS[name], 0)
     parameters = [p for p in model.parameters()]
     generator = torch.Generator().manual_seed(0)
     directions = [torch.randn(p.shape, generator=generator) for p in parameters]
@@ -69,7 +73,7 @@ def run(name: str, split: bool, cycles: int, step_ms: float) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(MODELS), default="124m")
+    p.add_argument("--model", choices=[*sorted(MODELS), "smoke"], default="124m", help="smoke: a tiny GPT, for tests")
     p.add_argument("--cycles", type=int, default=2, help="timed cycles of the fragments (H steps each)")
     p.add_argument("--step-ms", type=float, default=200.0, help="compute per step before Learner.step, in ms")
     p.add_argument("--repeats", type=int, default=2, help="runs of each layout, alternating")

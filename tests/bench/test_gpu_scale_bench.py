@@ -4,8 +4,10 @@
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import child_env, module_command
 
@@ -134,12 +136,15 @@ def test_waits_are_counted_on_the_thread_that_waited():
 
 
 @pytest.mark.slow
-def test_the_learner_profile_reports_host_times_and_waits_by_thread(tmp_path):
+@pytest.mark.parametrize("split", [False, True])
+def test_the_learner_profile_reports_host_times_and_waits_by_thread(tmp_path, split):
     """benchmarks/gpu/learner_profile.py at CPU scale: the same code the GPU diagnostic runs."""
     proc = subprocess.run([*module_command("benchmarks.gpu.learner_profile"), "--device", "cpu",
-                           "--smoke", "--out", str(tmp_path)], env=child_env(), capture_output=True, text=True, timeout=300)
+                           "--smoke", "--out", str(tmp_path), *(["--split-tensors"] if split else [])],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "learner_profile.json").read_text())
+    assert result["split_tensors"] is split
     assert result["plain"]["learner_host_max"] < result["learner"]["learner_host_median"] <= \
         result["learner"]["learner_host_max"]  # the plain loop never calls the Learner
     assert finite(result["learner"]["wall_per_step"]) and result["waits"]["training_thread"] == 0
@@ -161,3 +166,28 @@ def test_the_mixed_rounds_trace_shows_every_evaluation_and_ends_with_no_round_wa
     assert rows[-1][3].strip() == "0 of 24"
     summary = proc.stdout.splitlines()[-1]
     assert summary.startswith(f"grace_expect_steps {24 if grace is None else 0}: final ")
+
+
+@pytest.mark.slow
+def test_the_fragment_sizes_benchmark_times_whole_and_split_layouts(tmp_path):
+    """benchmarks/learner/fragment_sizes.py on a tiny GPT: a run of each layout, the split one's largest fragment
+    smaller than the whole one's (its tied embedding)."""
+    out = tmp_path / "sizes.json"
+    proc = subprocess.run([*module_command("benchmarks.learner.fragment_sizes"), "--model", "smoke", "--cycles", "1",
+                           "--repeats", "1", "--step-ms", "1", "--json", str(out)], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["split"]["largest_fragment_share"] < 0.5 * summary["whole"]["largest_fragment_share"]
+    assert all(0 < s["host_ms_median"] <= s["host_ms_max"] for s in summary.values())
+
+
+def test_the_gpu_checks_script_says_how_to_call_it_and_refuses_a_machine_without_a_gpu(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks.sh"
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage: scripts/gpu_checks.sh prepare | learner OUT | quality OUT" in usage.stderr
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run its checks")
+    cpu = subprocess.run(["bash", str(script), "learner", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=child_env())
+    assert cpu.returncode != 0 and "no CUDA device: run this part on a GPU machine" in cpu.stderr

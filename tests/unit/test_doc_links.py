@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "LOG.md",
+PAGES = [ROOT / "README.md", ROOT / "DEVELOPERS.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "LOG.md",
          ROOT / "benchmarks" / "README.md"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
