@@ -63,6 +63,17 @@ def map_large(threshold: int = MAP_ABOVE) -> bool:
         return False
 
 
+def trim() -> bool:
+    """Give back to the system the free memory malloc keeps in its arenas (glibc's malloc_trim(0), which also
+    releases whole free pages inside the heap); False where that is not possible. It holds each arena's lock while
+    it walks it: call it off the event loop."""
+    try:
+        libc = _libc()
+        return libc is not None and bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def limit_arenas(arenas: int = ARENAS) -> bool:
     """Cap glibc's malloc arenas at `arenas` unless MALLOC_ARENA_MAX is set; False where that is not possible
     (not glibc) or was left to the environment."""

@@ -87,6 +87,8 @@ def cmd_syncer(args) -> int:
     if not 0 <= args.agreement_buffer < float("inf"):
         raise UserError(f"--agreement-buffer must be a share of the model's size, 0 (no bound) or more, got "
                         f"{args.agreement_buffer}")
+    if not 0 <= args.trim_above < float("inf"):
+        raise UserError(f"--trim-above must be MiB, 0 (never) or more, got {args.trim_above}")
     if not 0 <= args.send_window < float("inf"):
         raise UserError(f"--send-window must be MiB, 0 (no bound) or more, got {args.send_window}")
     state = args.state
@@ -107,6 +109,7 @@ def cmd_syncer(args) -> int:
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
                          exit_when_done=args.exit_when_done, push_buffer_share=args.push_buffer,
                          send_window=int(args.send_window * 2**20), agreement_buffer_share=args.agreement_buffer,
+                         trim_above=int(args.trim_above * 2**20),
                          credentials=args.credentials, client_cert_ids=args.client_cert_ids)
     try:
         status = asyncio.run(serve(cfg, opts))
@@ -291,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--send-window", type=float, default=8.0, metavar="MIB",
                    help="MiB an update stream may send beyond what its learner says it received (8): answers to a "
                         "slow reader wait in its queue, not in gRPC's buffers; 0: no bound")
+    n.add_argument("--trim-above", type=float, default=0.0, metavar="MIB",
+                   help="every 2 s, give the memory malloc keeps free back to the system when it is more than this "
+                        "many MiB (0: never, the default)")
     n.add_argument("--agreement-buffer", type=float, default=0.25, metavar="SHARE",
                    help="bytes of open rounds' payloads the agreement test keeps in memory, as a share of the model's "
                         "fp32 size (0.25): beyond it they wait in unnamed files in the --state folder until their "

@@ -98,3 +98,34 @@ def test_large_blocks_freed_go_back_to_the_system_not_to_the_heap(mapped):
     out = subprocess.run([sys.executable, "-c", LARGE, "map" if mapped else "default"], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     assert out == (["True", "False"] if mapped else ["-", "True"])
+
+
+TRIM = textwrap.dedent("""
+    import ctypes, sys
+    from diloco.allocator import trim
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+
+    def rss_kib():
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+    blocks = [libc.malloc(64 << 10) for _ in range(1024)]  # 64 MiB on the heap, under the mmap threshold, touched
+    for b in blocks:
+        libc.memset(b, 1, 64 << 10)
+    for b in blocks[:-1]:  # the last one stays: the heap's top cannot shrink past it
+        libc.free(ctypes.c_void_p(b))
+    held = rss_kib()
+    print(trim() if sys.argv[1] == "trim" else "-", held - rss_kib())
+""")
+
+
+@glibc
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_trimming_gives_the_free_heap_back_to_the_system(trimmed):
+    out = subprocess.run([sys.executable, "-c", TRIM, "trim" if trimmed else "keep"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    given_back = int(out[1])
+    if trimmed:
+        assert out[0] == "True" and given_back >= 48 << 10  # KiB: most of the 63 MiB freed left the process
+    else:
+        assert given_back < 8 << 10

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from diloco import allocator
 from diloco.atomic import private_folder, write_json
 from diloco.syncer.at_rest.model_file import save_model
 from diloco.config import SyncConfig
@@ -92,6 +93,9 @@ class ServerOptions:
     send_window: int = DEFAULT_SEND_WINDOW
     """Bytes an update stream may write beyond what its learner reports it received; more waits (0: no bound;
     syncer/serving/send_window.py)."""
+    trim_above: int = 0
+    """Every TRIM_SECONDS, give malloc's free memory back to the system when it keeps more than this many bytes
+    (`allocator.trim`; 0: never)."""
     agreement_buffer_share: float = 0.25
     """Bytes of the agreement test's payloads of open rounds kept in memory, as a share of the model's fp32 size;
     beyond it they wait in unnamed files in `out` until their round closes (0: no bound; syncer/kept_payloads.py)."""
@@ -106,6 +110,8 @@ class ServerOptions:
 
 
 PROGRESS_EVERY_SECONDS = 60.0
+TRIM_SECONDS = 2.0
+"""How often the serving loop looks at what malloc keeps free (`ServerOptions.trim_above`)."""
 """How often the syncer logs a line of progress (at INFO, the default level of `diloco syncer`)."""
 
 
@@ -301,6 +307,7 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
     write_errors = Throttled(log)
     next_history_save = time.monotonic() + history_file.SAVE_SECONDS
     progress = ProgressLine()
+    next_trim = time.monotonic()
     try:
         while not stop.is_set():
             await refresh_status()
@@ -310,6 +317,10 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
             beat["at"] = time.monotonic()  # /healthz: the loop turns
             if on_status:
                 on_status(dict(status))
+            if opts.trim_above and time.monotonic() >= next_trim:
+                next_trim = time.monotonic() + TRIM_SECONDS
+                if status.get("memory", {}).get("allocator_free", 0) > opts.trim_above:
+                    await loop.run_in_executor(None, allocator.trim)
             if opts.exit_when_done and run_over(core):
                 log.info("the budget is spent and every learner has left: stopping")
                 stop.set()
