@@ -17,13 +17,13 @@ from cryptography.x509.oid import NameOID
 
 from diloco.cli import main
 from diloco.config import for_mode
-from diloco.learner.grpc_transport import GrpcTransport, tls_problem
+from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.learner.transport import SyncerError
 from diloco.syncer.serving import http as syncer_http
 from diloco.syncer.serving.http import http_authorized, status_json
 from diloco.syncer.serving.server import ServerOptions, SyncerThread, exposure_problems
-from diloco.wire.tls import is_loopback, plaintext_token_problem
+from diloco.wire.tls import is_loopback, plaintext_token_problem, tls_problem
 from certificates import issue, write
 from fakes import TinyNet
 

@@ -10,7 +10,6 @@ transfer is cancelled only when nothing moved for `stall_timeout` seconds, and t
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -25,12 +24,13 @@ from diloco.ids import InvalidLearnerId, check_learner_id
 from diloco.config import SyncConfig
 from diloco.algorithm.fragments import TensorSpec
 from diloco.learner import heap
+from diloco.learner.transfer_progress import Progress, Stalled, megabytes
 from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, Receiver, SyncerError
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import shown
 from diloco.wire.messages import CHUNK_BYTES, GRPC_OPTIONS, Assembler, blobs, push_chunks, specs_to_proto, wire_size
-from diloco.wire.tls import channel_credentials
+from diloco.wire.tls import channel_credentials, tls_problem
 
 log = logging.getLogger("diloco.learner")
 MAX_BACKOFF = 2.0  # seconds between retries at most: a returning syncer is noticed within about that
@@ -39,38 +39,6 @@ EARLY_REPORT_SECONDS = 0.1
 credential is 20 a second)."""
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 SLOW = "the link is too slow or down (raise stall_timeout / --stall-timeout)"
-TLS_FAILURES = (  # (words in gRPC's UNAVAILABLE details, what the learner is told); first match wins
-    (("hostname verification", "peer name", "not in peer certificate"),
-     "the syncer's certificate does not name the host {host!r} this learner connects to: connect by a name or address "
-     "listed in the certificate (its subject alternative names), or reissue the syncer's --tls-cert for this host"),
-    (("certificate_verify_failed", "certificate verify failed", "unable to get local issuer", "self signed",
-      "self-signed", "certificate has expired", "certificate is not yet valid"),
-     "the syncer's certificate is not trusted: check that --tls-ca is the CA that signed the syncer's --tls-cert "
-     "(and that the certificate has not expired)"),
-    (("wrong_version_number", "http_request", "packet length too long"),
-     "the syncer does not speak TLS (was it started without --tls-cert?): drop --tls / --tls-ca, or start the "
-     "syncer with --tls-cert and --tls-key"),
-    (("handshake", "ssl_error", "tsi_", "ssl routines"),
-     "check --tls-ca against the CA of the syncer's certificate, the certificate's host name, and whether the "
-     "syncer uses TLS (and requires a client certificate: --tls-cert and --tls-key)"),
-)
-
-
-def tls_problem(details: str, address: str) -> str | None:
-    """What to do about a TLS handshake failure that gRPC reports as UNAVAILABLE `details`; None when it is not one."""
-    text = (details or "").lower()
-    for words, advice in TLS_FAILURES:
-        if any(w in text for w in words):
-            host = address.rsplit(":", 1)[0].strip("[]")
-            return (f"TLS handshake with the syncer at {address} failed — a TLS/certificate problem, not the network: "
-                    f"{advice.format(host=host)} ({details})")
-    return None
-
-
-def _mb(done: int, total: int = 0) -> str:
-    return f"{done / 1e6:.1f} of {total / 1e6:.1f} MB" if total else f"{done / 1e6:.1f} MB"
-
-
 BACKGROUND_NICE = 10
 """How much lower than the training thread's the sender's and receiver's CPU priority is (a nice value)."""
 
@@ -91,59 +59,6 @@ def background(loop):
         as_background()
         loop()
     return run
-
-
-class Stalled(Exception):
-    """A transfer in which nothing moved for its stall timeout; it was cancelled."""
-
-    def __init__(self, progress: "Progress"):
-        super().__init__(f"nothing moved for {progress.stall:.0f} s after {progress.describe()}")
-        self.progress = progress
-
-
-class Progress:
-    """How far one transfer got and when it last moved, in whole gRPC messages (2 MiB chunks at most)."""
-
-    def __init__(self, stall: float, total: int = 0):
-        self.stall = stall
-        self.total = total
-        """Payload bytes the transfer carries, when known (for messages)."""
-        self.done = 0
-        self.last = time.monotonic()
-        self.stalled = False
-
-    def moved(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.last = time.monotonic()
-
-    def idle(self) -> float:
-        return time.monotonic() - self.last
-
-    def describe(self) -> str:
-        return _mb(self.done, self.total)
-
-    @contextlib.contextmanager
-    def watching(self, call):
-        """Cancels `call` from a watchdog thread once nothing moved for `stall` seconds; the call's error then
-        becomes Stalled."""
-        finished = threading.Event()
-
-        def watch() -> None:
-            while not finished.wait(min(1.0, self.stall / 4)):
-                if self.idle() > self.stall:
-                    self.stalled = True
-                    call.cancel()
-                    return
-
-        threading.Thread(target=watch, name="learner-stall-watchdog", daemon=True).start()
-        try:
-            yield
-        except (grpc.RpcError, grpc.FutureCancelledError):
-            if self.stalled:
-                raise Stalled(self) from None
-            raise
-        finally:
-            finished.set()
 
 
 class GrpcTransport(HeartbeatNews):
@@ -350,7 +265,7 @@ class GrpcTransport(HeartbeatNews):
                     yield pb.InitChunk(blob=blob)
 
         progress = Progress(self.stall_timeout, sum(codec.encoded_size(f.numel(), "fp32") for f in flats))
-        log.info("uploading the initial model (%s) to the syncer at %s", _mb(progress.total), self.address)
+        log.info("uploading the initial model (%s) to the syncer at %s", megabytes(progress.total), self.address)
         call = self.stub.Init.future(self._metered(chunks(), progress, lambda m: len(m.blob.data)))
         try:
             with progress.watching(call):

@@ -67,3 +67,31 @@ def channel_credentials(ca: Path | None, cert: Path | None = None, key: Path | N
         raise ValueError("a client certificate needs both --tls-cert and --tls-key")
     return grpc.ssl_channel_credentials(root_certificates=_read(ca, "--tls-ca"), private_key=_read(key, "--tls-key"),
                                         certificate_chain=_read(cert, "--tls-cert"))
+
+
+TLS_FAILURES = (  # (words in gRPC's UNAVAILABLE details, what the learner is told); first match wins
+    (("hostname verification", "peer name", "not in peer certificate"),
+     "the syncer's certificate does not name the host {host!r} this learner connects to: connect by a name or address "
+     "listed in the certificate (its subject alternative names), or reissue the syncer's --tls-cert for this host"),
+    (("certificate_verify_failed", "certificate verify failed", "unable to get local issuer", "self signed",
+      "self-signed", "certificate has expired", "certificate is not yet valid"),
+     "the syncer's certificate is not trusted: check that --tls-ca is the CA that signed the syncer's --tls-cert "
+     "(and that the certificate has not expired)"),
+    (("wrong_version_number", "http_request", "packet length too long"),
+     "the syncer does not speak TLS (was it started without --tls-cert?): drop --tls / --tls-ca, or start the "
+     "syncer with --tls-cert and --tls-key"),
+    (("handshake", "ssl_error", "tsi_", "ssl routines"),
+     "check --tls-ca against the CA of the syncer's certificate, the certificate's host name, and whether the "
+     "syncer uses TLS (and requires a client certificate: --tls-cert and --tls-key)"),
+)
+
+
+def tls_problem(details: str, address: str) -> str | None:
+    """What to do about a TLS handshake failure that gRPC reports as UNAVAILABLE `details`; None when it is not one."""
+    text = (details or "").lower()
+    for words, advice in TLS_FAILURES:
+        if any(w in text for w in words):
+            host = address.rsplit(":", 1)[0].strip("[]")
+            return (f"TLS handshake with the syncer at {address} failed — a TLS/certificate problem, not the network: "
+                    f"{advice.format(host=host)} ({details})")
+    return None
