@@ -205,7 +205,10 @@ def plan_fragments(specs: list[TensorSpec], num_fragments: int, split: bool = Fa
         raise ValueError(f"cannot split this model into {num_fragments} fragments: "
                          f"{f'it has {limit} trained values' if split else whole}; choose --fragments between 1 and "
                          f"{limit}")
-    fragments = _plan_split(params, num_fragments) if split else _plan_params(params, num_fragments)
+    if num_fragments == 1:
+        fragments = [Fragment(0, tuple(params))]
+    else:
+        fragments = _plan_split(params, num_fragments) if split else _plan_params(params, num_fragments)
     for role, kind in (("buffers", "buffer"), ("static", "static")):
         group = tuple(s for s in specs if s.kind == kind)
         if group:
@@ -214,8 +217,6 @@ def plan_fragments(specs: list[TensorSpec], num_fragments: int, split: bool = Fa
 
 
 def _plan_params(specs: list[TensorSpec], num_fragments: int) -> list[Fragment]:
-    if num_fragments == 1:
-        return [Fragment(0, tuple(specs))]
     embeddings = [s for s in specs if s.embedding]
     others = [s for s in specs if not s.embedding]
     bins = num_fragments - (1 if embeddings else 0)
@@ -246,8 +247,6 @@ def _plan_split(specs: list[TensorSpec], num_fragments: int) -> list[Fragment]:
     then holds at least one value, and a cut tensor's pieces keep its order within each fragment."""
     embeddings = [s for s in specs if s.embedding]
     others = [s for s in specs if not s.embedding]
-    if num_fragments == 1:
-        return [Fragment(0, tuple(specs))]
     total, held = sum(s.numel for s in specs), sum(s.numel for s in embeddings)
     if not embeddings:
         count = 0

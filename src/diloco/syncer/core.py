@@ -92,9 +92,9 @@ class SyncerCore(Membership, RoundTiming):
         self.specs: list[TensorSpec] | None = None
         self.fragments: list[FragmentState] = []
         self.buffers = Buffers()
+        """Decoded pushes and RDA sums, reused (sized by `bound_buffers` once the fragments are known)."""
         self.kept_payloads = KeptPayloads()
         """The agreement test's payloads of open rounds; the server bounds what stays in memory."""
-        """Decoded pushes and RDA sums, reused (sized by `bound_buffers` once the fragments are known)."""
         self.learners: dict[str, LearnerRecord] = {}
         self.departed = {"trained": 0, "budget": 0.0, "merged": 0.0}
         """Tokens trained, counted by the budget and merged of the learners forgotten (`expire`)."""

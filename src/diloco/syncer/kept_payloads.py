@@ -57,9 +57,7 @@ class KeptPayloads:
         size = len(payload.data)
         with self._lock:
             if self.share is None or self.in_memory + size <= self.share * model_bytes:
-                self.in_memory += size
-                self._memory[fragment] = self._memory.get(fragment, 0) + size
-                return payload
+                return self._in_memory(fragment, payload)
         try:
             file = self._files.get(fragment)
             if file is None:
@@ -73,13 +71,17 @@ class KeptPayloads:
                             self.folder or tempfile.gettempdir(), e)
                 self._warned = True
             with self._lock:
-                self.in_memory += size
-                self._memory[fragment] = self._memory.get(fragment, 0) + size
-            return payload
+                return self._in_memory(fragment, payload)
         with self._lock:
             self.on_disk += size
             self.spilled += 1
         return Spilled(fragment, offset, size, payload.codec, payload.numel, payload.checksum)
+
+    def _in_memory(self, fragment: int, payload: Encoded) -> Encoded:
+        """Count `payload` as kept in memory for `fragment` (under the lock)."""
+        self.in_memory += len(payload.data)
+        self._memory[fragment] = self._memory.get(fragment, 0) + len(payload.data)
+        return payload
 
     def load(self, kept: Encoded | Spilled) -> Encoded:
         """The payload as it was kept (a spilled one read back; its checksum is verified when it is decoded)."""

@@ -110,9 +110,9 @@ class ServerOptions:
 
 
 PROGRESS_EVERY_SECONDS = 60.0
+"""How often the syncer logs a line of progress (at INFO, the default level of `diloco syncer`)."""
 TRIM_SECONDS = 2.0
 """How often the serving loop looks at what malloc keeps free (`ServerOptions.trim_above`)."""
-"""How often the syncer logs a line of progress (at INFO, the default level of `diloco syncer`)."""
 
 
 class ProgressLine:
