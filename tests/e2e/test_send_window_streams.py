@@ -13,7 +13,7 @@ from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
 from diloco.algorithm import codec
 from diloco.algorithm.fragments import tensor_specs
 from diloco.syncer.ledger import session_hash
-from diloco.syncer.serving import update_streams
+from diloco.syncer.serving.serialized_updates import SerializedUpdates
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import CHUNK_BYTES, specs_to_proto
@@ -37,14 +37,14 @@ def push_chunks(header, data: bytes):
 
 
 def test_a_slow_reader_is_sent_a_window_beyond_what_it_reported(monkeypatch):
-    written, original = [], update_streams.blobs
+    written, original = [], SerializedUpdates.blobs
 
-    def counting(*args, **kwargs):
-        for blob in original(*args, **kwargs):
+    def counting(self, *args, **kwargs):
+        for blob in original(self, *args, **kwargs):
             yield blob
-            written.append(len(blob.data))  # resumed: gRPC took the chunk
+            written.append(blob.payload)  # resumed: gRPC took the chunk
 
-    monkeypatch.setattr(update_streams, "blobs", counting)
+    monkeypatch.setattr(SerializedUpdates, "blobs", counting)
     # a window of one chunk: gRPC's own flow control takes a few chunks of a stream nobody reads before it holds back
     syncer = SyncerThread(for_mode("decoupled", 2, fragments=2, sync_every=4),
                           ServerOptions(listen="127.0.0.1:0", http=None, send_window=CHUNK_BYTES))

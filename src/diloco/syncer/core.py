@@ -541,8 +541,9 @@ class SyncerCore(Membership, RoundTiming):
         record = self.learners.get(learner_id)
         if record is None:
             return None
-        peers = [self.learners[i] for i in self.live() - {learner_id}]
-        return phase.phase_lead(record, peers, self.clock(), self.cfg.sync_every, self.cfg.fragments)
+        now, after = self.clock(), self.cfg.absent_after_seconds  # the live peers (`live`), in one pass
+        peers = (r for r in self.learners.values() if r is not record and not r.left and now - r.last_seen <= after)
+        return phase.phase_lead(record, peers, now, self.cfg.sync_every, self.cfg.fragments)
 
     # ---- durability ---------------------------------------------------------------------------------------
     def persist(self, changed) -> None:

@@ -46,22 +46,26 @@ class Membership:
     def heartbeat(self, learner_id: str, session: str, **progress) -> bool:
         """Record liveness and progress; returns True when the learner should stop (budget reached). Any thread."""
         with self.lock:
-            record = self._record(learner_id, session)
-            self._heard(record)
-            if self.training_started_at is None and (progress.get("tokens_trained") or 0) > 0:
-                self.training_started_at = record.last_seen  # a duration counts training, not start-up
-            progress.pop("data_position", None)  # the ledger's position moves only when work is merged
-            if progress.get("tokens_trained") is not None:  # the session's count, on its earlier sessions'
-                progress["tokens_trained"] += record.tokens_base
-            if progress.get("step") is not None:
-                progress["step"] += record.steps_base
-            step_seconds = progress.pop("step_seconds", None)
-            if step_seconds:
-                record.step_time.update(step_seconds)
-            for key, value in progress.items():
-                if value is not None:
-                    setattr(record, key, value)
+            self._note_progress(learner_id, session, progress)
             return self.should_stop()
+
+    def _note_progress(self, learner_id: str, session: str, progress: dict) -> None:
+        """A heartbeat's liveness and counters into its learner's record (the lock held)."""
+        record = self._record(learner_id, session)
+        self._heard(record)
+        if self.training_started_at is None and (progress.get("tokens_trained") or 0) > 0:
+            self.training_started_at = record.last_seen  # a duration counts training, not start-up
+        progress.pop("data_position", None)  # the ledger's position moves only when work is merged
+        if progress.get("tokens_trained") is not None:  # the session's count, on its earlier sessions'
+            progress["tokens_trained"] += record.tokens_base
+        if progress.get("step") is not None:
+            progress["step"] += record.steps_base
+        step_seconds = progress.pop("step_seconds", None)
+        if step_seconds:
+            record.step_time.update(step_seconds)
+        for key, value in progress.items():
+            if value is not None:
+                setattr(record, key, value)
 
     def _heard(self, record: LearnerRecord) -> None:
         """The learner was heard from in its current session (the lock held): back, if it was absent."""
@@ -87,9 +91,12 @@ class Membership:
     def heartbeat_reply(self, learner_id: str, session: str, **progress) -> tuple[bool, float | None, int, float | None]:
         """`heartbeat`, then what its reply carries: (stop, phase lead, tokens trained, budget progress), read
         together under the lock. Any thread: never waits for a merge."""
-        with self.lock:
-            stop = self.heartbeat(learner_id, session, **progress)
-            return stop, self.phase_lead(learner_id), self.budget_tokens(), self.budget_progress()
+        with self.lock:  # the budget counted once: every heartbeat of every learner asks for it
+            self._note_progress(learner_id, session, progress)
+            tokens = self.budget_tokens()
+            share = self.budget_progress(tokens)
+            stop = self.stopping or (share is not None and share >= 1.0)
+            return stop, self.phase_lead(learner_id), tokens, share
 
     def should_stop(self) -> bool:
         if self.stopping:
@@ -98,12 +105,13 @@ class Membership:
             progress = self.budget_progress()
         return progress is not None and progress >= 1.0
 
-    def budget_progress(self) -> float | None:
-        """Share of the token or time budget spent (the larger when both are set); None without a budget."""
+    def budget_progress(self, tokens: int | None = None) -> float | None:
+        """Share of the token or time budget spent (the larger when both are set); None without a budget.
+        `tokens`: `budget_tokens()` when the caller has just counted it (under the lock)."""
         shares = []
         if self.token_budget:
             with self.lock:
-                shares.append(self.budget_tokens() / self.token_budget)
+                shares.append((self.budget_tokens() if tokens is None else tokens) / self.token_budget)
         if self.duration and self.training_started_at is not None:
             shares.append((self.clock() - self.training_started_at) / self.duration)
         return min(max(shares), 1.0) if shares else None

@@ -3,6 +3,8 @@ open for them) and of phase leads (learners keep their schedules in step). Pure 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from diloco.algorithm.schedule import offset
 from diloco.syncer.ledger import LearnerRecord
 
@@ -22,22 +24,25 @@ def position(record: LearnerRecord, now: float, H: int, P: int) -> float | None:
     return (offset(last, H, P) + steps) % H
 
 
-def phase_lead(record: LearnerRecord, peers: list[LearnerRecord], now: float, H: int, P: int) -> float | None:
+def phase_lead(record: LearnerRecord, peers: Iterable[LearnerRecord], now: float, H: int, P: int) -> float | None:
     """Steps by which `record`'s schedule runs ahead of its reference's (negative: behind), circular over H; None
     when unknown or when it is the reference. The reference is the peer of similar speed whose session began first
-    (`peers`: the live learners): it never moves, so a learner that rejoins at a random phase moves to the others."""
+    (`peers`: the live learners): it never moves, so a learner that rejoins at a random phase moves to the others.
+    Every heartbeat asks, so a peer's position is worked out only when it began before the best found so far."""
     own = position(record, now, H, P)
     if own is None:
         return None
-    positions = {record.id: (record, own)}
+    reference, at = record, own
     for peer in peers:
-        at = position(peer, now, H, P)
-        if at is not None and 1 / SIMILAR_SPEED <= peer.step_time.value / record.step_time.value <= SIMILAR_SPEED:
-            positions[peer.id] = (peer, at)
-    reference = min(positions, key=lambda i: (positions[i][0].joined_at, i))
-    if reference == record.id:
+        if (peer.joined_at, peer.id) >= (reference.joined_at, reference.id) or not peer.step_time.value:
+            continue
+        if 1 / SIMILAR_SPEED <= peer.step_time.value / record.step_time.value <= SIMILAR_SPEED:
+            peer_at = position(peer, now, H, P)
+            if peer_at is not None:
+                reference, at = peer, peer_at
+    if reference is record:
         return None
-    return (own - positions[reference][1] + H / 2) % H - H / 2
+    return (own - at + H / 2) % H - H / 2
 
 
 def predicted_push(record: LearnerRecord, fragment: int, now: float, H: int, P: int) -> float | None:

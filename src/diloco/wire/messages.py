@@ -50,6 +50,18 @@ def payload_part(message) -> tuple[str, str | None, int]:
     return rpc, None, 0
 
 
+@dataclass(frozen=True)
+class Serialized:
+    """A message serialized already, which the syncer's gRPC handlers send as it is (syncer/serving/handlers.py):
+    `name` its type's name, `payload` the bytes of encoded values it carries, in `codec` (counted apart from its
+    framing)."""
+
+    name: str
+    data: bytes
+    payload: int = 0
+    codec: str | None = None
+
+
 def wire_size(message) -> int:
     """Bytes a message occupies on a gRPC stream: serialized size plus the 5-byte length prefix."""
     return message.ByteSize() + 5

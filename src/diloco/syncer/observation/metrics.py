@@ -7,7 +7,7 @@ import re
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from diloco.algorithm.codec import CODECS
-from diloco.wire.messages import payload_part, wire_size
+from diloco.wire.messages import RPC_OF, payload_part, wire_size
 
 MAX_REASONS = 32
 """Distinct `reason` labels of diloco_refusals; later new ones count as "other" (labels must not grow unbounded)."""
@@ -151,12 +151,18 @@ class SyncerMetrics:
     def count_message(self, message, direction: str, codec_name: str | None = None) -> None:
         """One gRPC message to or from a learner, by direction and by call and part; `codec_name`: the codec of a
         push's data chunk, named in its stream's header."""
-        size = wire_size(message)
-        self.wire_bytes.labels(direction).inc(size)
         rpc, carried, payload = payload_part(message)
-        name = carried or codec_name
-        if payload and name in CODECS:  # an unknown codec name is not a label: those bytes count as framing
-            self.wire_parts.labels(rpc, f"payload:{name}").inc(payload)
+        self._count_bytes(direction, rpc, wire_size(message), payload, carried or codec_name)
+
+    def count_sent(self, name: str, size: int, payload: int, codec_name: str | None) -> None:
+        """One message sent, as gRPC serialized it (syncer/serving/handlers.py): its type's name, its bytes on the
+        wire, and the bytes of encoded values it carries in `codec_name`."""
+        self._count_bytes("sent", RPC_OF.get(name, "other"), size, payload, codec_name)
+
+    def _count_bytes(self, direction: str, rpc: str, size: int, payload: int, codec_name: str | None) -> None:
+        self.wire_bytes.labels(direction).inc(size)
+        if payload and codec_name in CODECS:  # an unknown codec name is not a label: those bytes count as framing
+            self.wire_parts.labels(rpc, f"payload:{codec_name}").inc(payload)
         else:
             payload = 0
         self.wire_parts.labels(rpc, "framing").inc(size - payload)

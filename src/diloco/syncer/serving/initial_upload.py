@@ -70,7 +70,7 @@ class InitialUpload:
                     if first is None:  # unauthenticated: it holds a stream and nothing more, model or not
                         await self._idle(context, "initial model upload (not even a JoinRequest)", self.stall_timeout)
                     if self.core.initialized:
-                        return self._count_out(pb.InitReply())  # another upload won: the rest is not needed
+                        return pb.InitReply()  # another upload won: the rest is not needed
                     if idle >= INIT_IDLE_STALLS:
                         await self._idle(context, "initial model upload", idle * self.stall_timeout)
                     continue
@@ -79,13 +79,13 @@ class InitialUpload:
                 if first is None:  # checked before anything is buffered
                     first = await self._admit_init(chunk, context)
                     if self.core.initialized:
-                        return self._count_out(pb.InitReply())  # another upload won: nothing to receive
+                        return pb.InitReply()  # another upload won: nothing to receive
                     budget, received = self._init_budget(first), 0
                     lease, flats, assembler = self._init_lease, {}, Assembler(max_payload_bytes=budget)
                     self._init_active_at = time.monotonic()
                     continue
                 if self.core.initialized:
-                    return self._count_out(pb.InitReply())  # another upload won meanwhile: the rest is not needed
+                    return pb.InitReply()  # another upload won meanwhile: the rest is not needed
                 await self._check_init_lease(first.learner_id, lease, context)
                 self._init_active_at = time.monotonic()  # progress: the lease stays with this upload
                 if not chunk.HasField("blob"):
@@ -103,7 +103,7 @@ class InitialUpload:
             if first is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Init must start with the learner's JoinRequest")
             if self.core.initialized:
-                return self._count_out(pb.InitReply())
+                return pb.InitReply()
             await self._check_init_lease(first.learner_id, lease, context)
             try:
                 ordered = [flats[i] for i in range(len(flats))]
@@ -112,7 +112,7 @@ class InitialUpload:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot initialise the global model: {e}")
             if adopted:
                 log.info("global model initialised from learner %s (%d fragments)", first.learner_id, len(self.core.fragments))
-            return self._count_out(pb.InitReply())
+            return pb.InitReply()
         finally:
             await chunks.aclose()  # a read still pending ends with the stream
             if self.core.initialized:

@@ -28,6 +28,7 @@ from diloco.syncer.defences.credentials_watch import CredentialsWatch
 from diloco.syncer.at_rest.folder_lock import FolderLock
 from diloco.syncer.at_rest import history_file
 from diloco.syncer.observation.history import History
+from diloco.syncer.serving import handlers
 from diloco.syncer.serving.http import http_server
 from diloco.syncer.observation.metrics import SyncerMetrics
 from diloco.syncer.serving.send_window import DEFAULT_BYTES as DEFAULT_SEND_WINDOW
@@ -35,7 +36,6 @@ from diloco.syncer.serving.service import SyncerService
 from diloco.syncer.at_rest.store import StateStore
 from diloco.syncer.observation.tape import Tape
 from diloco.syncer.observation.throttle import Throttled
-from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.messages import SERVER_OPTIONS
 from diloco.wire.tls import is_loopback, server_credentials
 
@@ -259,7 +259,7 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
         await service.close_revoked()  # sessions restored from the state, checked against the file as it is now
         watch = CredentialsWatch(opts.credentials, service.use_credentials)
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_SyncerServicer_to_server(service, server)
+    handlers.add_to_server(service, server, metrics.count_sent)
     credentials = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
     try:
         port = (server.add_secure_port(opts.listen, credentials) if credentials

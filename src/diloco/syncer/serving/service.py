@@ -37,6 +37,7 @@ from diloco.syncer.defences.join_refusals import JoinRefusals
 from diloco.syncer.serving.push_budget import PushBudget
 from diloco.syncer.serving.update_streams import MAX_STREAMS, UpdateStreams
 from diloco.syncer.serving.send_window import DEFAULT_BYTES as DEFAULT_SEND_WINDOW, SendWindow
+from diloco.syncer.serving.serialized_updates import SerializedUpdates
 from diloco.syncer.updates import UpdateQueue
 from diloco.syncer.observation.metrics import SyncerMetrics
 from diloco.wire import diloco_pb2 as pb
@@ -97,6 +98,8 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         self._queues: dict[str, UpdateQueue] = {}
         self._streams: dict[tuple[str, str], int] = {}
         """Open Subscribe streams per (learner, session): a learner with one open is connected to this syncer."""
+        self.serialized_updates = SerializedUpdates()
+        """Update chunks serialized once for every stream (syncer/serving/serialized_updates.py)."""
         self._sending: dict[object, object] = {}
         """The payload each Subscribe stream is sending now (by a key of its own), taken off its queue."""
         self._windows: dict[tuple[str, str], SendWindow] = {}
@@ -162,6 +165,7 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         parts["queued_answers"] = memory.queued_bytes(self._queues.values(), kept)
         parts["sending"] = memory.sending_bytes(list(self._sending.values()), self._queues.values(), kept)
         parts["receiving"] = self.push_budget.held
+        parts["serialized_updates"] = self.serialized_updates.held
         return {**memory.with_heap(parts, allocator.heap()), "rss": memory.rss_bytes()}
 
     async def status(self) -> dict:
@@ -188,10 +192,6 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
 
     def _count_in(self, message, codec_name: str | None = None) -> None:
         self.metrics.count_message(message, "received", codec_name)
-
-    def _count_out(self, message):
-        self.metrics.count_message(message, "sent")
-        return message
 
     async def _bad_input(self, context, rpc: str, e: BaseException) -> None:
         self.metrics.refused("bad input")
@@ -273,7 +273,7 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         if not self.core.initialized and self._initial_file is not None:
             await self._initialise_from_file(request.learner_id, specs, context)
         if not self.core.initialized:
-            yield self._count_out(pb.JoinReply(header=self._init_header(request.learner_id)))
+            yield pb.JoinReply(header=self._init_header(request.learner_id))
             return
         live_for = self._live_for(request.learner_id)
         if live_for is not None and not (credential is not None or self._may_take_over(request)):
@@ -309,16 +309,16 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
                                data_position=record.data_position, total_bytes=total,
                                start_position=record.start_position)
         try:
-            yield self._count_out(pb.JoinReply(header=header))
+            yield pb.JoinReply(header=header)
             while snapshot:  # each fragment given back once sent: a join holds at most what rounds replaced meanwhile
                 index, version, values = snapshot[0]
                 if index in kept:  # the joiner keeps its own values, equal to these by their digests
-                    yield self._count_out(pb.JoinReply(blob=pb.Blob(fragment=index, version=version, codec="fp32",
-                                                                    numel=values.numel(), held=True)))
+                    yield pb.JoinReply(blob=pb.Blob(fragment=index, version=version, codec="fp32",
+                                                    numel=values.numel(), held=True))
                 else:
                     encoded = await asyncio.to_thread(codec.view_fp32, values)  # its checksum, off the loop; no copy
                     for blob in blobs(index, version, encoded):
-                        yield self._count_out(pb.JoinReply(blob=blob))
+                        yield pb.JoinReply(blob=blob)
                     del encoded
                 snapshot.pop(0)
                 self.core.fragments[index].give_back(values)
@@ -396,10 +396,11 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
             elif header is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push data before its header")
             else:
-                received += len(chunk.data)
+                data = chunk.data  # a copy each time it is read
+                received += len(data)
                 if received > header.total_bytes:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push payload longer than its header says")
-                parts.append(chunk.data)
+                parts.append(data)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push without a header")
         def push():  # on the core worker: joining the parts copies the whole payload
@@ -431,9 +432,8 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
             if pub is not None:  # full values: they replace anything queued for this fragment (UpdateQueue)
                 self._queue(header.learner_id).put_nowait((pub, "" if result.accepted else result.reason))
         self.wake.set()
-        reply = pb.PushReply(accepted=result.accepted, reason=result.reason, duplicate=result.duplicate,
-                             resync=result.resync, stop=self.core.should_stop())
-        return self._count_out(reply)
+        return pb.PushReply(accepted=result.accepted, reason=result.reason, duplicate=result.duplicate,
+                            resync=result.resync, stop=self.core.should_stop())
 
     async def _check_progress(self, request, context) -> dict:
         """The heartbeat's counters in bounds (and grown at a plausible rate since this session's last heartbeat);
@@ -478,8 +478,8 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         self._samples[request.learner_id] = (request.session, bounds.Sample(request.step, request.tokens_trained,
                                                                             time.monotonic()))
         self.wake.set()
-        return self._count_out(pb.HeartbeatReply(stop=stop, tokens_trained=min(tokens, 2**64 - 1),
-                                                 budget_progress=progress_share, phase_lead=lead))
+        return pb.HeartbeatReply(stop=stop, tokens_trained=min(tokens, 2**64 - 1),
+                                 budget_progress=progress_share, phase_lead=lead)
 
     @guarded
     async def Leave(self, request, context):
@@ -487,9 +487,9 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         try:
             await self._ledger(self.core.leave, request.learner_id, request.session)
         except Refused:
-            return self._count_out(pb.LeaveReply())  # leaving twice, or after a re-join elsewhere, is harmless
+            return pb.LeaveReply()  # leaving twice, or after a re-join elsewhere, is harmless
         self.wake.set()
-        return self._count_out(pb.LeaveReply())
+        return pb.LeaveReply()
 
     # ---- rounds -------------------------------------------------------------------------------------------
     async def run_rounds(self, stop: asyncio.Event) -> None:

@@ -9,9 +9,9 @@ from diloco.syncer.downlink import Publication, for_current_session
 from diloco.syncer.ledger import session_hash
 from diloco.syncer.serving.rpc_errors import guarded
 from diloco.syncer.serving.send_window import SendWindow
+from diloco.syncer.serving.serialized_updates import SerializedUpdates
 from diloco.syncer.updates import UpdateQueue
 from diloco.wire.bounds import shown
-from diloco.wire.messages import blobs
 
 MAX_STREAMS = 4
 """Update streams, and push streams, one learner may hold open at once (a learner uses one of each; a reconnect
@@ -20,12 +20,19 @@ may overlap the old stream briefly): one party cannot multiply what it costs the
 
 class UpdateStreams:
     """Update queues and Subscribe; mixed into SyncerService, whose state (`_queues`, `_streams`, `_windows`,
-    `_sending`, `send_window`, `core`, `metrics`) and helpers (`_refuse`, `_refuse_revoked`, counting) it uses."""
+    `_sending`, `send_window`, `serialized_updates`, `core`, `metrics`) and helpers (`_refuse`, `_refuse_revoked`, counting) it uses."""
 
     def _new_queue(self) -> UpdateQueue:
         # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
         # never reads reaches this
         return UpdateQueue(16 * max(len(self.core.fragments), self.core.cfg.fragments) + 64)
+
+    def _serialized(self) -> SerializedUpdates:
+        """The shared serialized updates, their budget set from the model once there is one: its largest fragment's
+        fp32 bytes, room for the latest four int8 changes or one fragment's full values."""
+        if not self.serialized_updates.budget and self.core.initialized:
+            self.serialized_updates.budget = 4 * max(fs.fragment.numel for fs in self.core.fragments)
+        return self.serialized_updates
 
     def _queue(self, learner_id: str) -> UpdateQueue:
         """The learner's update queue; created on demand for learners restored from saved state."""
@@ -79,10 +86,11 @@ class UpdateStreams:
                     return
                 pub, refused = item if isinstance(item, tuple) else (item, "")
                 self._sending[sending] = pub.payload
-                for blob in blobs(pub.fragment, pub.version, pub.payload, pub.full, pub.result_checksum, refused, pub.seq,
-                                  self.core.cfg.wire_compression):
-                    await window.room_for(len(blob.data))
-                    yield self._count_out(blob)
+                for blob in self._serialized().blobs(pub.fragment, pub.version, pub.payload, pub.full,
+                                                     pub.result_checksum, refused, pub.seq,
+                                                     self.core.cfg.wire_compression):
+                    await window.room_for(blob.payload)
+                    yield blob
                 del self._sending[sending], item, pub  # not held while the next one is awaited
         finally:  # also when the learner's connection ends (a crash): the id is free to join again
             self._sending.pop(sending, None)
