@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 ARENAS = 2
@@ -26,7 +27,10 @@ class _MallInfo2(ctypes.Structure):
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+@functools.cache
 def _libc():
+    """The C library, looked up once: find_library runs `ldconfig -p` in a child process, and /status asks for
+    malloc's figures every few seconds."""
     name = ctypes.util.find_library("c")
     return None if name is None else ctypes.CDLL(name)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from diloco.algorithm.codec import Encoded
 
-PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers", "sending", "receiving",
-         "other_heap", "allocator_free")
+PARTS = ("model", "outer_state", "changes", "open_rounds", "reused_buffers", "queued_answers", "sending",
+         "serialized_updates", "receiving", "other_heap", "allocator_free")
 
 
 def _nbytes(t) -> int:
