@@ -116,3 +116,39 @@ def test_a_learner_reports_what_it_received_and_trains_through_a_small_window():
         learner.finish()
     finally:
         syncer.stop()
+
+
+def test_a_stream_nobody_reads_holds_up_no_other_learner_s_updates(monkeypatch):
+    """Update chunks are written in turns (SEND_TURNS); one turn here, and no send window: a learner that never reads
+    its stream while it is sent 20 MB of full values must not keep the turn from another learner's answers."""
+    monkeypatch.setattr("diloco.syncer.serving.service.SEND_TURNS", 1)
+    syncer = SyncerThread(for_mode("decoupled", 1, fragments=2, sync_every=4),
+                          ServerOptions(listen="127.0.0.1:0", http=None, send_window=0))
+    channel = grpc.insecure_channel(syncer.address)
+    try:
+        Learner(Big(), GrpcTransport(syncer.address), "first").close()
+        stub = pb_grpc.SyncerStub(channel)
+        join = pb.JoinRequest(learner_id="slow", specs=specs_to_proto(tensor_specs(Big())))
+        session = [r for r in stub.Join(join)][0].header.session
+        stream = stub.Subscribe(pb.SubscribeRequest(learner_id="slow", session=session))  # never read
+        wait_for(lambda: ("slow", session_hash(session)) in syncer.service._windows, timeout=30)
+        bad = codec.encode(torch.full((VALUES,), float("nan")), "fp32")  # refused: full values, 20 MB, are sent back
+        header = pb.PushHeader(learner_id="slow", session=session, seq=1, fragment=0, base_version=0, steps=1,
+                               tokens=8, codec="fp32", numel=VALUES, total_bytes=len(bad.data), checksum=bad.checksum)
+        assert stub.Push(push_chunks(header, bytes(bad.data))).resync
+        model = Big()
+        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        deadline = time.monotonic() + 120
+        while learner.applied < 2:
+            assert time.monotonic() < deadline, f"{learner.pushes} pushes, {learner.applied} applied"
+            loss = (model.w[:100] - 1).pow(2).sum() + model.b.pow(2).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            learner.step(16)
+        learner.finish()
+        stream.cancel()
+    finally:
+        channel.close()
+        syncer.stop()

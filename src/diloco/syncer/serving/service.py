@@ -35,7 +35,7 @@ from diloco.syncer.serving.admission import Admission
 from diloco.syncer.serving.initial_upload import IDLE, InitialUpload
 from diloco.syncer.defences.join_refusals import JoinRefusals
 from diloco.syncer.serving.push_budget import PushBudget
-from diloco.syncer.serving.update_streams import MAX_STREAMS, UpdateStreams
+from diloco.syncer.serving.update_streams import MAX_STREAMS, SEND_TURNS, UpdateStreams
 from diloco.syncer.serving.send_window import DEFAULT_BYTES as DEFAULT_SEND_WINDOW, SendWindow
 from diloco.syncer.serving.serialized_updates import SerializedUpdates
 from diloco.syncer.updates import UpdateQueue
@@ -98,6 +98,8 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         self._queues: dict[str, UpdateQueue] = {}
         self._streams: dict[tuple[str, str], int] = {}
         """Open Subscribe streams per (learner, session): a learner with one open is connected to this syncer."""
+        self.send_turns = asyncio.Semaphore(SEND_TURNS)
+        """Update chunks written at once over all streams (syncer/serving/update_streams.py, SEND_TURNS)."""
         self.serialized_updates = SerializedUpdates()
         """Update chunks serialized once for every stream (syncer/serving/serialized_updates.py)."""
         self._sending: dict[object, object] = {}

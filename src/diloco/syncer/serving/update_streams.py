@@ -3,6 +3,8 @@ the learner's send window (syncer/serving/send_window.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from diloco.syncer.downlink import Publication, for_current_session
@@ -17,10 +19,17 @@ MAX_STREAMS = 4
 """Update streams, and push streams, one learner may hold open at once (a learner uses one of each; a reconnect
 may overlap the old stream briefly): one party cannot multiply what it costs the syncer."""
 
+SEND_TURNS = 4
+"""Update chunks whose writes start in one turn of the event loop, over all streams. A round's result goes to every
+learner at the same moment: unpaced, all 128 streams of a 124M model's load wrote their chunks in the same turn, and
+the loop answered nothing else for up to a second (benchmarks/LOG.md, "128 learners: each update serialized once,
+and written in turns"). A turn is given back at the loop's next turn, not when its write ends: the write of a stream
+nobody reads may wait for as long as that learner's connection lasts."""
+
 
 class UpdateStreams:
     """Update queues and Subscribe; mixed into SyncerService, whose state (`_queues`, `_streams`, `_windows`,
-    `_sending`, `send_window`, `serialized_updates`, `core`, `metrics`) and helpers (`_refuse`, `_refuse_revoked`, counting) it uses."""
+    `_sending`, `send_window`, `send_turns`, `serialized_updates`, `core`, `metrics`) and helpers (`_refuse`, `_refuse_revoked`, counting) it uses."""
 
     def _new_queue(self) -> UpdateQueue:
         # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
@@ -90,6 +99,8 @@ class UpdateStreams:
                                                      pub.result_checksum, refused, pub.seq,
                                                      self.core.cfg.wire_compression):
                     await window.room_for(blob.payload)
+                    await self.send_turns.acquire()  # given back at the loop's next turn, not when the write ends:
+                    asyncio.get_running_loop().call_soon(self.send_turns.release)  # a write may wait for its reader
                     yield blob
                 del self._sending[sending], item, pub  # not held while the next one is awaited
         finally:  # also when the learner's connection ends (a crash): the id is free to join again
