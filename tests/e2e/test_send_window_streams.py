@@ -36,6 +36,24 @@ def push_chunks(header, data: bytes):
         yield pb.PushChunk(data=data[at:at + CHUNK_BYTES])
 
 
+def slow_subscriber(syncer, channel):
+    """A first learner uploads the model; then learner "slow" joins over a bare stub and opens its update stream,
+    which the test reads, or not, itself. Returns (stub, session, stream)."""
+    Learner(Big(), GrpcTransport(syncer.address), "first").close()
+    stub = pb_grpc.SyncerStub(channel)
+    join = pb.JoinRequest(learner_id="slow", specs=specs_to_proto(tensor_specs(Big())))
+    session = [r for r in stub.Join(join)][0].header.session
+    return stub, session, stub.Subscribe(pb.SubscribeRequest(learner_id="slow", session=session))
+
+
+def push_refused(stub, session: str) -> None:
+    """A push of non-finite values from "slow", refused: it is sent the fragment's full values, 20 MB."""
+    bad = codec.encode(torch.full((VALUES,), float("nan")), "fp32")
+    header = pb.PushHeader(learner_id="slow", session=session, seq=1, fragment=0, base_version=0, steps=1,
+                           tokens=8, codec="fp32", numel=VALUES, total_bytes=len(bad.data), checksum=bad.checksum)
+    assert stub.Push(push_chunks(header, bytes(bad.data))).resync
+
+
 def test_a_slow_reader_is_sent_a_window_beyond_what_it_reported(monkeypatch):
     written, original = [], SerializedUpdates.blobs
 
@@ -50,11 +68,7 @@ def test_a_slow_reader_is_sent_a_window_beyond_what_it_reported(monkeypatch):
                           ServerOptions(listen="127.0.0.1:0", http=None, send_window=CHUNK_BYTES))
     channel = grpc.insecure_channel(syncer.address)
     try:
-        Learner(Big(), GrpcTransport(syncer.address), "first").close()
-        stub = pb_grpc.SyncerStub(channel)
-        join = pb.JoinRequest(learner_id="slow", specs=specs_to_proto(tensor_specs(Big())))
-        session = [r for r in stub.Join(join)][0].header.session
-        stream = stub.Subscribe(pb.SubscribeRequest(learner_id="slow", session=session))  # not read for now
+        stub, session, stream = slow_subscriber(syncer, channel)  # not read for now
         window = lambda: syncer.service._windows.get(("slow", session_hash(session)))  # noqa: E731
         wait_for(lambda: window() is not None, timeout=30)
 
@@ -63,11 +77,7 @@ def test_a_slow_reader_is_sent_a_window_beyond_what_it_reported(monkeypatch):
 
         report(0)
         written.clear()  # the join's chunks
-        # a push of non-finite values is refused: the learner is sent the fragment's full values, 20 MB
-        bad = codec.encode(torch.full((VALUES,), float("nan")), "fp32")
-        header = pb.PushHeader(learner_id="slow", session=session, seq=1, fragment=0, base_version=0, steps=1,
-                               tokens=8, codec="fp32", numel=VALUES, total_bytes=len(bad.data), checksum=bad.checksum)
-        assert stub.Push(push_chunks(header, bytes(bad.data))).resync
+        push_refused(stub, session)
         wait_for(lambda: window().waiting, timeout=30)
         assert sum(written) == window().written == CHUNK_BYTES  # of 20 MB: the rest waits for the learner
         report(CHUNK_BYTES)  # one chunk in: one more may go
@@ -126,16 +136,9 @@ def test_a_stream_nobody_reads_holds_up_no_other_learner_s_updates(monkeypatch):
                           ServerOptions(listen="127.0.0.1:0", http=None, send_window=0))
     channel = grpc.insecure_channel(syncer.address)
     try:
-        Learner(Big(), GrpcTransport(syncer.address), "first").close()
-        stub = pb_grpc.SyncerStub(channel)
-        join = pb.JoinRequest(learner_id="slow", specs=specs_to_proto(tensor_specs(Big())))
-        session = [r for r in stub.Join(join)][0].header.session
-        stream = stub.Subscribe(pb.SubscribeRequest(learner_id="slow", session=session))  # never read
+        stub, session, stream = slow_subscriber(syncer, channel)  # never read
         wait_for(lambda: ("slow", session_hash(session)) in syncer.service._windows, timeout=30)
-        bad = codec.encode(torch.full((VALUES,), float("nan")), "fp32")  # refused: full values, 20 MB, are sent back
-        header = pb.PushHeader(learner_id="slow", session=session, seq=1, fragment=0, base_version=0, steps=1,
-                               tokens=8, codec="fp32", numel=VALUES, total_bytes=len(bad.data), checksum=bad.checksum)
-        assert stub.Push(push_chunks(header, bytes(bad.data))).resync
+        push_refused(stub, session)
         model = Big()
         learner = Learner(model, GrpcTransport(syncer.address), "a")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
