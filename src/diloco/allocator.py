@@ -22,7 +22,7 @@ MAP_ABOVE = (2 << 20) + (64 << 10)
 """Allocations of this size or more get pages of their own, returned to the system when freed: just above a gRPC
 message chunk (2 MiB of payload and its framing, `wire.messages.CHUNK_BYTES`), which recur and stay on the heap.
 At 4 MiB, a 17M model's 2.7 MB fragments stayed on the heap, and what they freed made the syncer's peak grow by
-3.0–3.7× the model for six more learners; at this size by 1.0×, for 0–10% more CPU per push (benchmarks/LOG.md,
+2.0–3.7× the model for six more learners; at this size by 1.0–1.1×, for 0–12% more CPU per push (benchmarks/LOG.md,
 "Blocks above a gRPC chunk mapped on their own")."""
 
 
