@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from diloco.algorithm import codec
-from diloco.syncer.serving import update_streams
+from diloco.syncer.serving.serialized_updates import SerializedUpdates
 from diloco.wire import diloco_pb2 as pb
 from liveness import wait_for
 from rpc import push_header, raw_join, stub
@@ -17,14 +17,14 @@ from syncers import start_syncer
 
 
 def test_an_idle_update_stream_holds_no_full_values_it_sent(monkeypatch):
-    sent, original = [], update_streams.blobs
+    sent, original = [], SerializedUpdates.blobs
 
-    def recording(fragment, version, payload, full=True, result_checksum=0, refused="", *rest):
+    def recording(self, fragment, version, payload, full=True, result_checksum=0, refused="", *rest):
         if full and refused:  # the answer to a refused push
             sent.append(weakref.ref(payload))
-        return original(fragment, version, payload, full, result_checksum, refused, *rest)
+        return original(self, fragment, version, payload, full, result_checksum, refused, *rest)
 
-    monkeypatch.setattr(update_streams, "blobs", recording)
+    monkeypatch.setattr(SerializedUpdates, "blobs", recording)
     syncer = start_syncer()
     try:
         session = raw_join(syncer.address, "m")

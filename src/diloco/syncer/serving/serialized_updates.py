@@ -35,7 +35,7 @@ class SerializedUpdates:
         self.held = 0
         """Bytes of serialized data fields kept."""
         self._parts: OrderedDict[tuple[int, str], tuple[weakref.ref, list[bytes]]] = OrderedDict()
-        self._lock = threading.Lock()  # a payload may be freed, and its entry dropped, on another thread
+        self._lock = threading.RLock()  # a payload may be freed, its entry dropped, on another thread or in a GC here
 
     def blobs(self, fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
               refused: str = "", seq: int = 0, compression: str = "none") -> Iterator[Serialized]:
