@@ -77,8 +77,7 @@ def test_two_learners_train_over_zstd_both_ways(monkeypatch):
         sent.append((payload.codec, out[1]))
         return out
 
-    monkeypatch.setattr("diloco.wire.messages.pack", counting)  # the learners' pushes
-    monkeypatch.setattr("diloco.syncer.serving.serialized_updates.pack", counting)  # the syncer's answers
+    monkeypatch.setattr("diloco.wire.messages.pack", counting)  # the learners' pushes and the syncer's answers
     done, status = train_two(for_mode("decoupled", 2, fragments=2, sync_every=4, wire_compression="zstd"), steps=30)
     assert len(done) == 2 and all(learner.applied >= 1 for learner in done.values())
     assert status["rounds"] >= 2

@@ -83,18 +83,26 @@ def specs_from_proto(specs) -> list[TensorSpec]:
     return out
 
 
+def blob_chunks(fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
+                refused: str = "", seq: int = 0, compression: str = "none") -> list[tuple[pb.Blob, memoryview]]:
+    """A payload's chunks as (the Blob without its data, a view of its data): at least one, empty for an empty
+    payload. `compression`: see `wire.compression.pack`."""
+    data, method = pack(payload, compression)
+    view = memoryview(data)
+    return [(pb.Blob(fragment=fragment, version=version, codec=payload.codec, numel=payload.numel,
+                     total_bytes=len(view), checksum=payload.checksum, offset=offset, full=full,
+                     result_checksum=result_checksum, refused=refused, seq=seq, compression=method),
+             view[offset : offset + CHUNK_BYTES])
+            for offset in range(0, max(len(view), 1), CHUNK_BYTES)]
+
+
 def blobs(fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
           refused: str = "", seq: int = 0, compression: str = "none") -> Iterator[pb.Blob]:
     """A payload as a sequence of Blob chunks; the first carries all metadata, later ones repeat it (tiny). The
-    payload's data may be a memoryview (`codec.view_fp32`): each chunk is copied as it is sent. `compression`:
-    see `wire.compression.pack`."""
-    data, method = pack(payload, compression)
-    for offset in range(0, max(len(data), 1), CHUNK_BYTES):
-        yield pb.Blob(
-            fragment=fragment, version=version, codec=payload.codec, numel=payload.numel, total_bytes=len(data),
-            checksum=payload.checksum, offset=offset, data=bytes(data[offset : offset + CHUNK_BYTES]), full=full,
-            result_checksum=result_checksum, refused=refused, seq=seq, compression=method,
-        )
+    payload's data may be a memoryview (`codec.view_fp32`): each chunk is copied as it is sent."""
+    for blob, data in blob_chunks(fragment, version, payload, full, result_checksum, refused, seq, compression):
+        blob.data = bytes(data)
+        yield blob
 
 
 @dataclass

@@ -15,15 +15,12 @@ from collections.abc import Iterator
 
 from diloco.algorithm import codec
 from diloco.wire import diloco_pb2 as pb
-from diloco.wire.compression import pack
-from diloco.wire.messages import CHUNK_BYTES, Serialized
+from diloco.wire.messages import Serialized, blob_chunks
 
 
-def data_fields(data) -> list[bytes]:
-    """Each chunk's data field, serialized (at least one chunk, empty for an empty payload)."""
-    view = memoryview(data)
-    return [pb.Blob(data=bytes(view[offset : offset + CHUNK_BYTES])).SerializeToString()
-            for offset in range(0, max(len(view), 1), CHUNK_BYTES)]
+def data_fields(chunks) -> list[bytes]:
+    """Each chunk's data field, serialized."""
+    return [pb.Blob(data=bytes(chunk)).SerializeToString() for chunk in chunks]
 
 
 class SerializedUpdates:
@@ -40,30 +37,26 @@ class SerializedUpdates:
     def blobs(self, fragment: int, version: int, payload: codec.Encoded, full: bool = True, result_checksum: int = 0,
               refused: str = "", seq: int = 0, compression: str = "none") -> Iterator[Serialized]:
         """`wire.messages.blobs`, serialized."""
-        data, method = pack(payload, compression)
+        chunks = blob_chunks(fragment, version, payload, full, result_checksum, refused, seq, compression)
+        data = [chunk for _, chunk in chunks]
         parts = self._shared(payload, compression, data)
-        if parts is None:
-            parts = data_fields(data)
-        for part, offset in zip(parts, range(0, max(len(data), 1), CHUNK_BYTES)):
-            head = pb.Blob(fragment=fragment, version=version, codec=payload.codec, numel=payload.numel,
-                           total_bytes=len(data), checksum=payload.checksum, offset=offset, full=full,
-                           result_checksum=result_checksum, refused=refused, seq=seq, compression=method)
-            yield Serialized("Blob", head.SerializeToString() + part, min(CHUNK_BYTES, len(data) - offset),
-                             payload.codec)
+        for (head, chunk), part in zip(chunks, parts if parts is not None else data_fields(data)):
+            yield Serialized("Blob", head.SerializeToString() + part, len(chunk), payload.codec)
 
-    def _shared(self, payload: codec.Encoded, compression: str, data) -> list[bytes] | None:
+    def _shared(self, payload: codec.Encoded, compression: str, chunks: list[memoryview]) -> list[bytes] | None:
         key = (id(payload), compression)
         with self._lock:
             entry = self._parts.get(key)
             if entry is not None and entry[0]() is payload:
                 self._parts.move_to_end(key)
                 return entry[1]
-        if len(data) > self.budget:
+        size = sum(len(chunk) for chunk in chunks)
+        if size > self.budget:
             return None
-        parts = data_fields(data)
+        parts = data_fields(chunks)
         with self._lock:
             self._drop(key)  # an entry of a payload gone whose id is reused
-            while self._parts and self.held + len(data) > self.budget:
+            while self._parts and self.held + size > self.budget:
                 self._drop(next(iter(self._parts)))
             self._parts[key] = (weakref.ref(payload, lambda _, key=key: self._forget(key)), parts)
             self.held += sum(len(p) for p in parts)

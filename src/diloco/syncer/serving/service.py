@@ -99,7 +99,7 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         self._streams: dict[tuple[str, str], int] = {}
         """Open Subscribe streams per (learner, session): a learner with one open is connected to this syncer."""
         self.send_turns = asyncio.Semaphore(SEND_TURNS)
-        """Update chunks written at once over all streams (syncer/serving/update_streams.py, SEND_TURNS)."""
+        """Update chunks whose writes may start in one turn of the event loop (syncer/serving/update_streams.py)."""
         self.serialized_updates = SerializedUpdates()
         """Update chunks serialized once for every stream (syncer/serving/serialized_updates.py)."""
         self._sending: dict[object, object] = {}

@@ -29,7 +29,8 @@ nobody reads may wait for as long as that learner's connection lasts."""
 
 class UpdateStreams:
     """Update queues and Subscribe; mixed into SyncerService, whose state (`_queues`, `_streams`, `_windows`,
-    `_sending`, `send_window`, `send_turns`, `serialized_updates`, `core`, `metrics`) and helpers (`_refuse`, `_refuse_revoked`, counting) it uses."""
+    `_sending`, `send_window`, `send_turns`, `serialized_updates`, `core`, `metrics`) and helpers (`_refuse`,
+    `_refuse_revoked`, `_count_in`) it uses."""
 
     def _new_queue(self) -> UpdateQueue:
         # generous: a learner catching up may be sent a chain of changes per fragment at once; only a client that
