@@ -3,6 +3,7 @@
 #
 #   scripts/gpu_checks.sh prepare          # on a machine with network: the corpus and the wheels the GPU machine lacks
 #   scripts/gpu_checks.sh learner OUT      # on the GPU machine: the CUDA tests, then what the learner costs a loop
+#   scripts/gpu_checks.sh overhead OUT     # on the GPU machine: tokens/s with and without the learner, compiled too
 #   scripts/gpu_checks.sh quality OUT      # on the GPU machine: dp against decoupled at 20 tokens per parameter
 #
 # The GPU machine needs no network: `prepare` builds runs/corpus and fetches runs/wheels (grpcio, protobuf and
@@ -35,6 +36,19 @@ learner)
         # shellcheck disable=SC2086
         python3 -m benchmarks.gpu.learner_profile --device cuda --model $model --split-tensors \
             --out "$out/profile-$name-split"
+        # shellcheck disable=SC2086  # Δ and int4 on the device
+        python3 -m benchmarks.gpu.learner_profile --device cuda --model $model --device-codec \
+            --out "$out/profile-$name-device-codec"
+    done
+    ;;
+overhead)
+    gpu_python
+    mkdir -p "$out"
+    for run in "default:" "device-codec:--device-codec" "compiled:--overhead-compile" \
+               "compiled-device-codec:--overhead-compile --device-codec"; do
+        # shellcheck disable=SC2086  # the flags are words
+        python3 -m benchmarks.gpu.scale --device cuda --corpus runs/corpus --parts overhead --overhead-repeats 5 \
+            --budget 150 ${run#*:} --out "$out/overhead-${run%%:*}"
     done
     ;;
 quality)
@@ -42,7 +56,7 @@ quality)
     python3 -m benchmarks.gpu.quality --corpus runs/corpus --out "$out/quality" --budget 480
     ;;
 *)
-    echo "usage: scripts/gpu_checks.sh prepare | learner OUT | quality OUT" >&2
+    echo "usage: scripts/gpu_checks.sh prepare | learner OUT | overhead OUT | quality OUT" >&2
     exit 2
     ;;
 esac

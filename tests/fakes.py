@@ -1,5 +1,5 @@
-"""What many tests share: a clock set by hand, the smallest model a run takes, a syncer core with a durable store,
-and /status documents made by hand."""
+"""What many tests share: a clock set by hand, the smallest model a run takes, one inner step of a toy task, a syncer
+core with a durable store, and /status documents made by hand."""
 
 import torch
 from torch import nn
@@ -23,6 +23,16 @@ class TinyNet(nn.Module):
         torch.manual_seed(0)
         self.emb = nn.Embedding(8, 4)
         self.lin = nn.Linear(4, width)
+
+
+def token_step(model: nn.Module, optimizer: torch.optim.Optimizer, vocab: int, batch: int = 64) -> torch.Tensor:
+    """One optimizer step of a model of tokens (0..vocab) learning to predict each token itself; returns the loss."""
+    x = torch.randint(0, vocab, (batch,))
+    loss = nn.functional.cross_entropy(model(x), x)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 def stored_core(store, clock_value: float = 100.0, **overrides):

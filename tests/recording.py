@@ -1,6 +1,8 @@
 """A transport for tests that keeps a Learner's push jobs without reading them, so only the training thread's work
 is observed."""
 
+import torch
+
 from diloco.learner.transport import JoinInfo
 
 
@@ -26,3 +28,16 @@ class Recording:
 
     def close(self, timeout=None):
         self.closed = True
+
+
+class ExactRecording(Recording):
+    """Also records Δ computed exactly from the model at each push (set `learner` after joining)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.exact, self.learner = [], None
+
+    def push(self, job):
+        tensors = self.learner._tensors(self.learner.layout[job.fragment])
+        self.exact.append(job.base - torch.cat([t.detach().reshape(-1).float() for t in tensors]))
+        super().push(job)

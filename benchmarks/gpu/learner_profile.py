@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40, help="steps per measured phase (40)")
     p.add_argument("--split-tensors", action="store_true", help="the run's layout cuts tensors larger than a P-th of "
                    "the model (the tied embedding and head) into pieces in several fragments")
+    p.add_argument("--device-codec", action="store_true", help="Learner(device_codec=True): each push's Δ computed "
+                   "and encoded on the device, only the payload copied to the host")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (the Learner joins it compiled)")
     p.add_argument("--out", type=Path, default=Path("runs/learner_profile"))
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -45,6 +48,8 @@ def main(argv=None) -> int:
     steps, batch = (4, 2) if args.smoke else (args.steps, args.batch)
     setup = Setup(device, cfg, TrainConfig(model=cfg, batch_size=batch), batch)
     rep = Replica(setup)
+    if args.compile:
+        rep.model = torch.compile(rep.model)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def phase(learner) -> dict:
@@ -68,9 +73,10 @@ def main(argv=None) -> int:
 
     result: dict = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         torch=torch.__version__, model=args.model, batch=[batch, cfg.seq_len], steps=steps,
-                        split_tensors=args.split_tensors)
+                        split_tensors=args.split_tensors, device_codec=args.device_codec, compiled=args.compile)
     with SyncerProcess(learners=1, split_tensors=args.split_tensors) as syncer:
-        learner = Learner(rep.model, GrpcTransport(syncer.address, **join_deadlines(GrpcTransport)), "profile")
+        learner = Learner(rep.model, GrpcTransport(syncer.address, **join_deadlines(GrpcTransport)), "profile",
+                          device_codec=args.device_codec)
         try:
             phase(None), phase(learner)  # warm-up
             result["plain"] = phase(None)

@@ -14,17 +14,22 @@ from benchmarks.gpu.setup import OVERHEAD_GOAL, Replica, Setup, sync
 
 # ---- overhead: the same loop with and without Learner.step ---------------------------------------------------------
 def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps: int, repeats: int,
-             deadline: float, profile_steps: int = 8, log=print) -> dict:
+             deadline: float, profile_steps: int = 8, log=print, compile_model: bool = False,
+             device_codec: bool = False) -> dict:
     """Alternating phases of `steps` optimizer steps, plain and with `Learner.step`, against a syncer process over
-    gRPC; then each loop's blocking waits for the device, by thread."""
+    gRPC; then each loop's blocking waits for the device, by thread. `compile_model`: torch.compile the model;
+    `device_codec`: the Learner's Δ and codec on the device."""
     from diloco import GrpcTransport, Learner
     from benchmarks.learner.overhead import SyncerProcess, join_deadlines
 
     rep = Replica(setup, model=model_cfg)
+    if compile_model:
+        rep.model = torch.compile(rep.model)
     seq, vocab = model_cfg.seq_len, model_cfg.vocab_size
     gen = torch.Generator(device=setup.device).manual_seed(0)
     tokens_per_step = batch * seq
-    result: dict = dict(model=size, parameters=count_parameters(rep.model), batch=[batch, seq], steps=steps)
+    result: dict = dict(model=size, parameters=count_parameters(rep.model), batch=[batch, seq], steps=steps,
+                        compiled=compile_model, device_codec=device_codec)
     lr = setup.train.lr
 
     in_learner: list[float] = []  # host seconds of each Learner.step call in the timed phases
@@ -46,7 +51,8 @@ def overhead(setup: Setup, size: str, model_cfg: ModelConfig, batch: int, steps:
         return n * tokens_per_step / (time.perf_counter() - started)
 
     with SyncerProcess(learners=1) as syncer:
-        learner = Learner(rep.model, GrpcTransport(syncer.address, **join_deadlines(GrpcTransport)), f"bench-{size}")
+        learner = Learner(rep.model, GrpcTransport(syncer.address, **join_deadlines(GrpcTransport)), f"bench-{size}",
+                          device_codec=device_codec)
         try:
             loop(min(3, steps), None), loop(min(3, steps), learner)  # warm-up: kernels, allocator, first pushes
             in_learner.clear()

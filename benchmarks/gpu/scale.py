@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--overhead-repeats", type=int, default=3, help="alternating phase pairs (3)")
     p.add_argument("--profile-steps", type=int, default=8, help="steps profiled per loop for synchronisations (8)")
     p.add_argument("--overhead-batch", type=int, help="sequences per overhead step (35m: 16, 124m: 8; --smoke: 4)")
+    p.add_argument("--overhead-compile", action="store_true", help="torch.compile the overhead part's model")
+    p.add_argument("--device-codec", action="store_true",
+                   help="the overhead part's Learner computes and encodes Δ on the device (Learner(device_codec=True))")
     args = p.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PART_SHARES)
     if unknown:
@@ -161,7 +164,8 @@ def main(argv=None) -> int:
             per_model = time.monotonic() + (deadline - time.monotonic()) / (2 if size == "35m" else 1)
             batch = args.overhead_batch or (4 if args.smoke else batch)
             rows.append(overhead(setup, size, models[size], batch, args.overhead_steps,
-                                 args.overhead_repeats, per_model, args.profile_steps, log))
+                                 args.overhead_repeats, per_model, args.profile_steps, log,
+                                 args.overhead_compile, args.device_codec))
         report["overhead"] = dict(rows=rows, goal=OVERHEAD_GOAL,
                                   notes=[f"{r['model']}: {r['stopped']}" for r in rows if r.get("stopped")])
     else:

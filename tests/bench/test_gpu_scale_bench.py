@@ -135,15 +135,16 @@ def test_waits_are_counted_on_the_thread_that_waited():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", [False, True])
-def test_the_learner_profile_reports_host_times_and_waits_by_thread(tmp_path, split):
+@pytest.mark.parametrize("flags", [[], ["--split-tensors"], ["--device-codec", "--compile"]])
+def test_the_learner_profile_reports_host_times_and_waits_by_thread(tmp_path, flags):
     """benchmarks/gpu/learner_profile.py at CPU scale: the same code the GPU diagnostic runs."""
     proc = subprocess.run([*module_command("benchmarks.gpu.learner_profile"), "--device", "cpu",
-                           "--smoke", "--out", str(tmp_path), *(["--split-tensors"] if split else [])],
+                           "--smoke", "--out", str(tmp_path), *flags],
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "learner_profile.json").read_text())
-    assert result["split_tensors"] is split
+    assert result["split_tensors"] is ("--split-tensors" in flags)
+    assert result["device_codec"] is result["compiled"] is ("--compile" in flags)
     assert result["plain"]["learner_host_max"] < result["learner"]["learner_host_median"] <= \
         result["learner"]["learner_host_max"]  # the plain loop never calls the Learner
     assert finite(result["learner"]["wall_per_step"]) and result["waits"]["training_thread"] == 0
@@ -184,8 +185,10 @@ def test_the_fragment_sizes_benchmark_times_whole_and_split_layouts(tmp_path):
 def test_the_gpu_checks_script_says_how_to_call_it_and_refuses_a_machine_without_a_gpu(tmp_path):
     script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks.sh"
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 2 and "usage: scripts/gpu_checks.sh prepare | learner OUT | quality OUT" in usage.stderr
+    assert usage.returncode == 2
+    assert "usage: scripts/gpu_checks.sh prepare | learner OUT | overhead OUT | quality OUT" in usage.stderr
     hidden = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}  # a machine with a GPU hides it: torch then sees none
-    cpu = subprocess.run(["bash", str(script), "learner", str(tmp_path)], capture_output=True, text=True, timeout=120,
-                         env=hidden)
-    assert cpu.returncode != 0 and "no CUDA device: run this part on a GPU machine" in cpu.stderr
+    for part in ("learner", "overhead", "quality"):
+        cpu = subprocess.run(["bash", str(script), part, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                             env=hidden)
+        assert cpu.returncode != 0 and "no CUDA device: run this part on a GPU machine" in cpu.stderr, part

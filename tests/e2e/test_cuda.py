@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from diloco import Learner, LocalSyncer, LocalTransport, ServerOptions, SyncerThread, for_mode
+from diloco.algorithm import codec
 from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.staging import snapshot, to_device
 from diloco.syncer.core import SyncerCore
@@ -62,13 +63,36 @@ def test_a_step_never_synchronises_the_training_thread_with_the_device():
         assert job.delta.device.type == "cpu" and torch.isfinite(job.delta).all()
 
 
+def test_a_device_codec_learner_encodes_the_host_codec_s_bytes_without_synchronising():
+    cfg = for_mode("decoupled", 1, fragments=2, sync_every=2, overlap=1, codec="int4")
+    model = net()
+    transport = Recording(cfg)
+    learner = Learner(model, transport, "a", device_codec=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(6):
+        train_step(model, optimizer)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            learner.step(64)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(transport.jobs) >= 3
+    for job in transport.jobs:  # the sender thread's work, here on the test's thread
+        assert job.device.local.device_values.is_cuda and job.device.base.is_cuda
+        exact = job.device.delta()
+        assert job.payload("int4") == codec.encode(exact, "int4")  # bitwise what the host codec makes of Δ
+    assert learner._pinned is None and learner._encoded is not None and not learner._encoded.lent
+
+
+@pytest.mark.parametrize("device_codec", [False, True])
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, True), (torch.bfloat16, False)])
-def test_two_cuda_learners_train_against_a_syncer(dtype, autocast):
+def test_two_cuda_learners_train_against_a_syncer(dtype, autocast, device_codec):
     cfg = for_mode("decoupled", 2, fragments=3, sync_every=6)
     syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None))
     try:
         models = [net(dtype), net(dtype)]
-        learners = [Learner(m, GrpcTransport(syncer.address), f"gpu-{i}") for i, m in enumerate(models)]
+        learners = [Learner(m, GrpcTransport(syncer.address), f"gpu-{i}", device_codec=device_codec)
+                    for i, m in enumerate(models)]
         size = 4 * sum(p.numel() for p in models[0].parameters())
         assert learners[1].transport.bytes_received < size / 4  # built alike on the GPU: its digests matched
         optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]

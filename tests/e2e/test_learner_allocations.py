@@ -117,7 +117,8 @@ def test_spans_come_back_from_other_threads():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_warm_cuda_learner_pins_no_more_host_memory():
+@pytest.mark.parametrize("device_codec", [False, True])
+def test_a_warm_cuda_learner_pins_no_more_host_memory(device_codec):
     from diloco.learner import costs
 
     torch.manual_seed(0)
@@ -125,7 +126,7 @@ def test_a_warm_cuda_learner_pins_no_more_host_memory():
     syncer = SyncerThread(for_mode("decoupled", 1, fragments=8, sync_every=8),
                           ServerOptions(listen="127.0.0.1:0", http=None))
     try:
-        learner = Learner(model, GrpcTransport(syncer.address), "a")
+        learner = Learner(model, GrpcTransport(syncer.address), "a", device_codec=device_codec)
         for step in range(80):
             with torch.no_grad():
                 for p in model.parameters():

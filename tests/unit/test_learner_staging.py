@@ -15,7 +15,7 @@ from diloco.learner.transport import Arrival, Receiver
 from diloco.syncer.downlink import tensor_checksum
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire.messages import Assembler, blobs
-from recording import Recording
+from recording import ExactRecording
 
 
 def test_a_staged_delta_is_base_minus_values_rounded_to_bf16():
@@ -50,19 +50,6 @@ def test_live_values_read_across_tensor_boundaries():
     live = LiveValues(tensors)
     assert torch.equal(live.read(3, 9), torch.arange(3.0, 9.0))
     assert torch.equal(live.host(), torch.arange(13.0))
-
-
-class ExactRecording(Recording):
-    """Also records Δ computed exactly from the model at each push."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.exact, self.learner = [], None
-
-    def push(self, job):
-        tensors = self.learner._tensors(self.learner.layout[job.fragment])
-        self.exact.append(job.base - torch.cat([t.detach().reshape(-1).float() for t in tensors]))
-        super().push(job)
 
 
 def joined_learner(transport_type, **overrides):

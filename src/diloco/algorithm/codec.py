@@ -86,49 +86,56 @@ def encode_from(numel: int, values, codec: str) -> Encoded:
     """`values(lo, hi)` gives the fp32 values lo..hi; they are encoded a chunk at a time straight into the payload's
     buffer, so encoding holds the payload once (no list of parts joined into a second copy)."""
     check_codec(codec)
-    step = CHUNK_BLOCKS * BLOCK
     data = bytearray(encoded_size(numel, codec))
-    if codec in ("fp32", "bf16"):
-        out = np.frombuffer(data, dtype=np.float32 if codec == "fp32" else np.int16)
-        for lo in range(0, numel, step):
-            hi = min(lo + step, numel)
-            _encode_plain(values(lo, hi), codec, out[lo:hi])
-    else:
-        blocks = -(-numel // BLOCK)
-        scales = np.frombuffer(data, dtype=np.int16, count=blocks)  # bf16 bits
-        body = np.frombuffer(data, dtype=np.uint8, offset=SCALE_BYTES * blocks)
-        per_block = BLOCK if codec == "int8" else BLOCK // 2
-        for lo in range(0, numel, step):
-            first, last = lo // BLOCK, -(-min(lo + step, numel) // BLOCK)
-            _encode_blocks(values(lo, min(lo + step, numel)), _LEVELS[codec], codec, scales[first:last],
-                           body[first * per_block : last * per_block])
+    if data:
+        encode_into(numel, values, codec, torch.frombuffer(data, dtype=torch.uint8))
     return Encoded(codec, numel, data, checksum(data))
 
 
-def _encode_plain(x: torch.Tensor, codec: str, out: np.ndarray) -> None:
-    if codec == "fp32":
-        np.copyto(out, x.contiguous().numpy())
-    else:
-        np.copyto(out, x.to(torch.bfloat16).view(torch.int16).numpy())
+def encode_into(numel: int, values, codec: str, out: torch.Tensor, step: int = CHUNK_BLOCKS * BLOCK) -> None:
+    """Write a payload's bytes into `out`, a flat uint8 tensor of `encoded_size(numel, codec)` bytes on the device
+    the values come from: `values(lo, hi)` gives the fp32 values lo..hi, called `step` values at a time (a whole
+    number of blocks). On the host `out` is the payload's own buffer; on a GPU only these bytes then cross to the
+    host (an eighth of fp32's for int4). The same arithmetic either way, so the bytes are the same."""
+    check_codec(codec)
+    if step % BLOCK:
+        raise ValueError(f"step must be a whole number of {BLOCK}-value blocks, got {step}")
+    if out.dtype != torch.uint8 or out.numel() != encoded_size(numel, codec):
+        raise ValueError(f"{numel} values encoded as {codec} need {encoded_size(numel, codec)} uint8 bytes, "
+                         f"got {out.numel()} {out.dtype}")
+    if codec in ("fp32", "bf16"):
+        width = 4 if codec == "fp32" else 2
+        for lo in range(0, numel, step):
+            hi = min(lo + step, numel)
+            x = values(lo, hi).to(torch.float32 if codec == "fp32" else torch.bfloat16).contiguous()
+            out[lo * width : hi * width].copy_(x.view(torch.uint8))
+        return
+    blocks = -(-numel // BLOCK)
+    scales, body = out[: SCALE_BYTES * blocks], out[SCALE_BYTES * blocks :]
+    per_block = BLOCK if codec == "int8" else BLOCK // 2
+    for lo in range(0, numel, step):
+        hi = min(lo + step, numel)
+        first, last = lo // BLOCK, -(-hi // BLOCK)
+        stored, packed = _packed_blocks(values(lo, hi), _LEVELS[codec], codec)
+        scales[SCALE_BYTES * first : SCALE_BYTES * last].copy_(stored.view(torch.uint8))
+        body[first * per_block : last * per_block].copy_(packed)
 
 
-def _encode_blocks(x: torch.Tensor, levels: int, codec: str, scales: np.ndarray, body: np.ndarray) -> None:
-    """Scales and quantised values of one chunk (a whole number of blocks except at the end, zero-padded) into
-    `scales` and `body`, views of the payload."""
+def _packed_blocks(x: torch.Tensor, levels: int, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 scales, quantised bytes) of one chunk of fp32 values, a whole number of blocks except at the end
+    (zero-padded), on the values' device. int4 packs two values a byte: even index low nibble, odd index high."""
     blocks = -(-x.numel() // BLOCK)
     if x.numel() == blocks * BLOCK:
         padded = x.reshape(blocks, BLOCK).clone()
     else:
-        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
         padded[: x.numel()] = x
         padded = padded.view(blocks, BLOCK)
     stored, q = quantise_blocks(padded, levels)
-    np.copyto(scales, stored.view(torch.int16).numpy())
     if codec == "int8":
-        np.copyto(body, q.view(torch.uint8).view(-1).numpy())
-        return
-    nibbles = (q + 8).to(torch.uint8).view(-1)  # 1..15, two per byte: even index low, odd index high
-    np.copyto(body, (nibbles[0::2] | (nibbles[1::2] << 4)).numpy())
+        return stored, q.view(torch.uint8).view(-1)
+    nibbles = (q + 8).to(torch.uint8).view(-1)  # 1..15
+    return stored, nibbles[0::2] | (nibbles[1::2] << 4)
 
 
 def quantise_blocks(padded: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

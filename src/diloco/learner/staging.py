@@ -62,9 +62,10 @@ class Snapshot:
         self._ring = self._token = None
 
 
-def snapshot(tensors: list[torch.Tensor], pinned: BufferRing | None = None) -> Snapshot:
+def snapshot(tensors: list[torch.Tensor], pinned: BufferRing | None = None, to_host: bool = True) -> Snapshot:
     """Copy `tensors` (one fragment, in payload order) into one flat fp32 vector without blocking on the device; on
-    CUDA the host copy is cut from `pinned` when given (else pinned memory of its own)."""
+    CUDA the host copy is cut from `pinned` when given (else pinned memory of its own). `to_host=False`: the device
+    copy only (its Δ is encoded on the device: DeviceDelta)."""
     device = tensors[0].device
     if device.type != "cuda":
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
@@ -75,6 +76,10 @@ def snapshot(tensors: list[torch.Tensor], pinned: BufferRing | None = None) -> S
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         copied = torch.cuda.Event()
         copied.record(side)
+    if not to_host:
+        current.wait_event(copied)
+        return Snapshot(flat, None)
+    with torch.cuda.stream(side):
         if pinned is not None:
             host, token = pinned.take(flat.numel())
         else:
@@ -98,6 +103,49 @@ def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     current.wait_stream(side)
     out.record_stream(current)
     return out
+
+
+DEVICE_STEP = 1 << 23
+"""Values a GPU encodes at a time: a few dozen kernel launches for the largest fragment, 32 MB temporaries."""
+
+
+class DeviceDelta:
+    """Δ = base − θ at a push, computed and encoded where the model lives, by the sender thread: on a GPU on the side
+    stream, so that only the encoded payload (an eighth of the fp32 values for int4) crosses to the host, through
+    `pinned` (uint8, reused), and no host thread quantises. `base` holds the values the syncer believes we hold (on
+    the model's device), `local` the device snapshot of θ. The bytes are those `codec.encode` makes of the same Δ."""
+
+    def __init__(self, base: torch.Tensor, local: Snapshot, pinned: BufferRing | None = None):
+        if base.numel() != local.device_values.numel():
+            raise ValueError(f"the base has {base.numel()} values, the snapshot {local.device_values.numel()}")
+        self.base, self.local, self.pinned = base, local, pinned
+
+    def delta(self) -> torch.Tensor:
+        """Δ as fp32 host values (error feedback reads it whole)."""
+        return (self.base - self.local.device_values).cpu()
+
+    def payload(self, codec_name: str) -> codec.Encoded:
+        base, theta, numel = self.base, self.local.device_values, self.base.numel()
+        if not theta.is_cuda:
+            return codec.encode_from(numel, lambda lo, hi: base[lo:hi] - theta[lo:hi], codec_name)
+        size = codec.encoded_size(numel, codec_name)
+        side = _side_stream(theta.device)
+        with torch.cuda.stream(side):  # after the snapshot and the base's copy, both made on this stream
+            out = torch.empty(size, dtype=torch.uint8, device=theta.device)
+            codec.encode_into(numel, lambda lo, hi: base[lo:hi] - theta[lo:hi], codec_name, out, DEVICE_STEP)
+            if self.pinned is not None:
+                host, token = self.pinned.take(size)
+            else:
+                host, token = torch.empty(size, dtype=torch.uint8, pin_memory=True), None
+                PINNED.add(host.nbytes)
+            host.copy_(out, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(side)
+        copied.synchronize()
+        data = bytearray(host.numpy())  # the payload outlives the pinned span (re-sends)
+        if self.pinned is not None:
+            self.pinned.give_back(token)
+        return codec.Encoded(codec_name, numel, data, codec.checksum(data))
 
 
 class LiveValues:

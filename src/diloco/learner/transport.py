@@ -15,7 +15,7 @@ from diloco.algorithm.codec import tensor_checksum
 from diloco.config import SyncConfig
 from diloco.algorithm.fragments import TensorSpec
 from diloco.learner.costs import PINNED
-from diloco.learner.staging import LiveValues, Snapshot, StagedDelta
+from diloco.learner.staging import DeviceDelta, LiveValues, Snapshot, StagedDelta
 
 
 class SyncerError(RuntimeError):
@@ -37,8 +37,9 @@ class JoinInfo:
 @dataclass(eq=False)
 class PushJob:
     """One push. Δ is encoded where it is first needed (the sender thread), not on the training thread, and once:
-    re-sends reuse the payload. Δ comes as `base` minus `local` (a Snapshot, or LiveValues read at encoding), or
-    already staged by the training thread (`staged`)."""
+    re-sends reuse the payload. Δ comes as `base` minus `local` (a Snapshot, or LiveValues read at encoding),
+    already staged by the training thread (`staged`), or to be computed and encoded on the model's device (`device`,
+    whose snapshot `local` also is)."""
 
     fragment: int
     base: torch.Tensor | None
@@ -51,6 +52,7 @@ class PushJob:
     staged: StagedDelta | None = None
     final: bool = False
     """The learner's last push of this fragment: training has ended (`Learner.finish`)."""
+    device: DeviceDelta | None = None
     _payload: codec.Encoded | None = None
 
     @property
@@ -58,6 +60,8 @@ class PushJob:
         """Δ as an fp32 tensor (before the payload is made)."""
         if self.staged is not None:
             return self.staged.values.to(torch.float32)
+        if self.device is not None:
+            return self.device.delta()
         return self.base - self.local.host()
 
     def payload(self, codec_name: str, feedback: codec.ErrorFeedback | None = None) -> codec.Encoded:
@@ -66,6 +70,8 @@ class PushJob:
                 self._payload = feedback.encode(self.fragment, self.delta, codec_name)
             elif self.staged is not None:
                 self._payload = codec.encode(self.staged.values, codec_name)
+            elif self.device is not None:
+                self._payload = self.device.payload(codec_name)
             elif isinstance(self.local, LiveValues):  # a chunk at a time, straight from the model's tensors
                 base, local = self.base, self.local
                 self._payload = codec.encode_from(base.numel(), lambda lo, hi: base[lo:hi] - local.read(lo, hi),
@@ -76,7 +82,7 @@ class PushJob:
                 self.staged.release()
             if isinstance(self.local, Snapshot):
                 self.local.release()
-            self.base = self.local = self.staged = None  # the payload is all a re-send needs
+            self.base = self.local = self.staged = self.device = None  # the payload is all a re-send needs
         return self._payload
 
 
