@@ -19,6 +19,7 @@ from torch import nn
 from diloco.config import SyncConfig
 from diloco.algorithm.codec import encoded_size
 from diloco.algorithm.fragments import Fragment, full, part, plan_fragments, scatter, tensor_specs
+from diloco.learner import writes
 from diloco.learner.costs import StepCosts
 from diloco.learner.gil import GIL_SWITCH_SECONDS, lower_switch_interval, restore_switch_interval
 from diloco.learner.initial import InitialModel
@@ -433,54 +434,22 @@ class Learner:
         self.applied += 1
 
     def _apply_in_place(self, slot: FragmentSlot, reads_local: bool) -> None:
-        """Apply tensor by tensor, in place: no flat copy of the fragment on the training thread."""
+        """Apply in place (learner/writes.py): no flat copy of the fragment on the training thread."""
         keep = reads_local and self.config.keep_overlap and slot.pushed is not None
         staged = slot.pushed[0] if keep and isinstance(slot.pushed[0], StagedDelta) else None
-        if staged is not None:
-            self._add_kept(slot, self._changes_since_push(slot), staged)
+        tensors = self._tensors(slot.fragment)
+        if staged is not None:  # θ + (Θ − base at push) + Δ, which is Θ + (θ − θ at push) with θ at push = base − Δ
+            changes = self._changes_since_push(slot)
+            writes.add_gains(tensors, kept_progress(slot.ready.values, slot.base, changes, staged.values,
+                                                    self._scratch))
             self._settle(slot, keep=keep)
             return
         values = to_device(slot.ready.values, self.device)
-        taken = slot.pushed[0].device() if keep else None
-        offset = 0
-        with torch.no_grad():
-            for spec, t in zip(slot.fragment.specs, self._tensors(slot.fragment)):
-                new = values[offset : offset + spec.numel].view(t.shape)
-                span = slice(offset, offset + spec.numel)
-                if taken is not None:  # θ ← Θ + (θ − θ at push): the steps taken since the push stay
-                    t.sub_(taken[span].view(t.shape)).add_(new)
-                elif reads_local:
-                    t.mul_(self.config.blend).add_(new, alpha=1 - self.config.blend)
-                else:
-                    t.copy_(new)
-                offset += spec.numel
+        writes.write(tensors, values, slot.pushed[0].device() if keep else None,
+                     self.config.blend if reads_local and not keep else None)
         self._settle(slot, keep=keep)
         if self.device_codec:
             slot.device_base = values  # already on the device: the next Δ is taken from it
-
-    def _add_kept(self, slot: FragmentSlot, changes: list, staged: StagedDelta) -> None:
-        """θ ← θ + (Θ − base at push) + Δ, which is Θ + (θ − θ at push) with θ at push = base − Δ: the steps taken
-        since the push stay. A chunk at a time straight into the model's tensors (fragment tensors lie end to end in
-        the flat values), so no fragment-sized fp32 vector is made (see kept_progress for the summation order)."""
-        tensors = self._tensors(slot.fragment)
-        flats = [t.detach().view(-1) if t.is_contiguous() else torch.zeros(t.numel(), dtype=torch.float32,
-                                                                             device=t.device) for t in tensors]
-        ends = [0]
-        for t in tensors:
-            ends.append(ends[-1] + t.numel())
-        first = 0
-        with torch.no_grad():
-            for lo, hi, gain in kept_progress(slot.ready.values, slot.base, changes, staged.values, self._scratch):
-                while ends[first + 1] <= lo:
-                    first += 1
-                i = first
-                while i < len(tensors) and ends[i] < hi:
-                    a, b = max(lo, ends[i]), min(hi, ends[i + 1])
-                    flats[i][a - ends[i] : b - ends[i]].add_(gain[a - lo : b - lo].to(flats[i].device))
-                    i += 1
-            for t, flat in zip(tensors, flats):
-                if not t.is_contiguous():  # its gain was gathered whole: a view of it is not one flat span
-                    t.add_(flat.view(t.shape))
 
     def _changes_since_push(self, slot: FragmentSlot) -> list:
         """The encoded changes decoded into the slot's base since its push (see Receiver.settle); the receiver
