@@ -67,6 +67,66 @@ def test_a_shard_holds_only_its_fragments_and_refuses_the_others_without_a_resyn
     assert shard1.payload_limit(0, "fp32") == 0 and shard1.status()["owned_fragments"] == [1, 3]
 
 
+def test_a_shard_adopts_the_initial_values_of_its_own_fragments_and_nothing_else():
+    cfg = for_mode("decoupled", 2, fragments=4, sync_every=4)
+    layout = plan_fragments(SPECS, 4)
+    flats = [torch.linspace(-1, 1, f.numel) if f.index % 2 else torch.zeros(0) for f in layout]
+    core = SyncerCore(cfg, shard=(1, 2))
+    assert core.initialize(SPECS, flats, take=True)  # shard 0's fragments given as empty tensors
+    assert [fs.outer_values().numel() > 0 for fs in core.fragments] == [False, True, False, True]
+    assert all(core.fragments[i].outer_values() is flats[i] for i in (1, 3))  # taken, not copied
+    copied = SyncerCore(cfg, shard=(1, 2))
+    copied.initialize(SPECS, flats)
+    assert copied.fragments[1].outer_values() is not flats[1]
+    assert torch.equal(copied.fragments[1].outer_values(), flats[1])
+
+
+def test_each_shard_decodes_only_its_own_fragments_of_the_uploaded_model(tmp_path, monkeypatch):
+    from diloco import Learner, ShardedTransport
+    from diloco.syncer.serving import initial_upload
+
+    decoded = []
+
+    class Counting:  # the upload's codec, counting what it decodes
+        def __getattr__(self, name):
+            return getattr(codec, name)
+
+        def decode(self, payload, *args):
+            decoded.append(payload.numel)
+            return codec.decode(payload, *args)
+
+    monkeypatch.setattr(initial_upload, "codec", Counting())
+    shards = sharded_run(tmp_path)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 256))
+        learner = Learner(model, ShardedTransport([s.address for s in shards]), "a")  # uploads to both shards
+        numel = sum(p.numel() for p in model.parameters())
+        # every fragment once, by the shard that owns it; before, each shard decoded the whole model
+        assert sorted(decoded) == sorted(f.numel for f in learner.layout) and sum(decoded) == numel
+        # and each shard was sent only its own fragments' values: the model once in all, not once per shard
+        sent = sum(shard.bytes_sent for shard in learner.transport.shards)
+        assert 4 * numel < sent < 1.1 * 4 * numel, (sent, 4 * numel)
+        learner.close()
+    finally:
+        for s in shards:
+            s.stop()
+
+
+def test_a_shard_started_from_a_checkpoint_builds_only_its_own_fragments(tmp_path):
+    from safetensors.torch import save_file
+
+    from diloco.syncer.at_rest import initial_model
+
+    values = {s.name: torch.randn(s.shape) for s in SPECS}
+    save_file(values, str(tmp_path / "model.safetensors"))
+    source = initial_model.load(tmp_path / "model.safetensors")
+    whole = initial_model.fragment_values(SPECS, 4, source)
+    mine = initial_model.fragment_values(SPECS, 4, source, owned=lambda index: index % 2 == 1)
+    assert [f.numel() > 0 for f in mine] == [False, True, False, True]
+    assert all(torch.equal(mine[i], whole[i]) for i in (1, 3))
+
+
 def test_a_shard_resumes_its_own_state_and_refuses_another_shards(tmp_path):
     shards, layout = cores(2, tmp_path)
     drive(shards, layout, rounds=2)

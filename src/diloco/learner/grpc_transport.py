@@ -16,8 +16,10 @@ import os
 import queue
 import threading
 import time
+from typing import Callable
 
 import grpc
+import torch
 
 from diloco.algorithm import codec
 from diloco.ids import InvalidLearnerId, check_learner_id
@@ -88,6 +90,8 @@ class GrpcTransport(HeartbeatNews):
                         if self.tls else grpc.insecure_channel(address, options=GRPC_OPTIONS))
         self.stub = pb_grpc.SyncerStub(self.channel)
         self.receiver = Receiver()
+        self.keeps_initial: Callable[[int], bool] = lambda fragment: True
+        """Which fragments' initial values this syncer keeps (a shard: its own); the others are uploaded empty."""
         self.error: SyncerError | None = None
         self.bytes_sent = self.bytes_received = 0
         self._pushes: queue.Queue[tuple[int, PushJob] | None] = queue.Queue()
@@ -258,13 +262,16 @@ class GrpcTransport(HeartbeatNews):
 
     def _initialise(self, request: pb.JoinRequest, flats) -> None:
         """Upload this learner's parameters as the initial global model (the syncer gave us the lease)."""
+        kept = {i for i in range(len(flats)) if self.keeps_initial(i)}
+
         def chunks():  # lazily: one fragment's encoding at a time, never a second copy of the whole model
             yield pb.InitChunk(request=request)
-            for i, flat in enumerate(flats):  # each flat is a fresh copy: sent from its own memory
-                for blob in blobs(i, 0, codec.view_fp32(flat)):
+            for i in range(len(flats)):  # each flat is a fresh copy: sent from its own memory
+                payload = codec.view_fp32(flats.flat(i)) if i in kept else codec.encode(torch.zeros(0), "fp32")
+                for blob in blobs(i, 0, payload):
                     yield pb.InitChunk(blob=blob)
 
-        progress = Progress(self.stall_timeout, sum(codec.encoded_size(f.numel(), "fp32") for f in flats))
+        progress = Progress(self.stall_timeout, sum(codec.encoded_size(flats.layout[i].numel, "fp32") for i in sorted(kept)))
         log.info("uploading the initial model (%s) to the syncer at %s", megabytes(progress.total), self.address)
         call = self.stub.Init.future(self._metered(chunks(), progress, lambda m: len(m.blob.data)))
         try:

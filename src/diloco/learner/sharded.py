@@ -24,8 +24,9 @@ class ShardedTransport:
             raise ValueError("ShardedTransport needs the address of every syncer shard")
         self.shards = [GrpcTransport(address, **options) for address in addresses]
         self.receiver = Receiver()
-        for shard in self.shards:
+        for i, shard in enumerate(self.shards):
             shard.receiver = self.receiver
+            shard.keeps_initial = lambda fragment, i=i: fragment % len(self.shards) == i  # its own fragments only
 
     def _of(self, fragment: int) -> GrpcTransport:
         return self.shards[fragment % len(self.shards)]

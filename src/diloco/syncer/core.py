@@ -148,8 +148,10 @@ class SyncerCore(Membership, RoundTiming):
     def owner(self, fragment: int) -> str:
         return f"shard {fragment % self.shard[1]} of {self.shard[1]}"
 
-    def initialize(self, specs: list[TensorSpec], flats: list[torch.Tensor]) -> bool:
-        """Adopt the first learner's initial parameters as the global model (fragment order, flat fp32).
+    def initialize(self, specs: list[TensorSpec], flats: list[torch.Tensor], take: bool = False) -> bool:
+        """Adopt the first learner's initial parameters as the global model (fragment order, flat fp32; a fragment
+        another shard owns may be given as an empty tensor). `take`: the owned values become the global ones without
+        a copy (the caller made them for this and keeps no reference it writes to).
 
         Returns False when another learner's parameters were adopted first (those then win; this one re-joins).
         """
@@ -164,7 +166,7 @@ class SyncerCore(Membership, RoundTiming):
         for fr, f in zip(layout, flats):
             if self.owns(fr.index) and not codec.all_finite(f):
                 raise Refused(f"initial values of fragment {fr.index} contain NaN or Inf")
-        fragments = [self._state_for(fr, f) for fr, f in zip(layout, flats)]
+        fragments = [self._state_for(fr, f, take) for fr, f in zip(layout, flats)]
         with self.lock:
             self.specs = list(specs)
             self.fragments = fragments
@@ -176,13 +178,13 @@ class SyncerCore(Membership, RoundTiming):
         """Keep at most REUSED_FRAGMENTS of the largest owned fragment's size free for reuse."""
         self.buffers.limit_bytes = REUSED_FRAGMENTS * 4 * max((fs.fragment.numel for fs in self.owned), default=0)
 
-    def _state_for(self, fragment: Fragment, flat: torch.Tensor) -> "FragmentState":
+    def _state_for(self, fragment: Fragment, flat: torch.Tensor, take: bool = False) -> "FragmentState":
         """A fragment's state from its initial values; empty for one another shard owns."""
         if not self.owns(fragment.index):
             return FragmentState(fragment, torch.zeros(0), torch.zeros(0))
         needed = fragment.role == "params" and self.cfg.keeps_outer_state
         momentum = torch.zeros_like(flat) if needed else torch.zeros(0)
-        return FragmentState(fragment, flat.clone(), momentum, guard=self.norm_guard(fragment),
+        return FragmentState(fragment, flat if take else flat.clone(), momentum, guard=self.norm_guard(fragment),
                              direction=self.direction_guard(fragment))
 
     @property

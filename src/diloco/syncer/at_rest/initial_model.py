@@ -45,9 +45,10 @@ def load(path: Path) -> InitialModelFile:
 
 
 def fragment_values(specs: list[TensorSpec], fragments: int, source: InitialModelFile,
-                    split: bool = False) -> list[torch.Tensor]:
+                    split: bool = False, owned=lambda index: True) -> list[torch.Tensor]:
     """The file's values as flat fp32 fragments in the layout these specs give with `fragments` and `split` (as
-    `SyncerCore.initialize` plans it). ValueError names the tensors the file lacks or holds in another shape."""
+    `SyncerCore.initialize` plans it); a fragment not `owned(index)` (another shard's) as an empty tensor.
+    ValueError names the tensors the file lacks or holds in another shape."""
     wanted = [s for s in specs if s.kind != "alias"]
     missing = [s.name for s in wanted if s.name not in source.tensors]
     if missing:
@@ -62,4 +63,4 @@ def fragment_values(specs: list[TensorSpec], fragments: int, source: InitialMode
         log.warning("--initial-model %s: %d tensors the model does not have are ignored (e.g. %r)", source.path,
                     len(unused), sorted(unused)[0])
     return [torch.cat([values_of(source.tensors[s.name].contiguous(), s).to(torch.float32) for s in f.specs])
-            for f in fitted_layout(specs, fragments, split)]
+            if owned(f.index) else torch.zeros(0) for f in fitted_layout(specs, fragments, split)]

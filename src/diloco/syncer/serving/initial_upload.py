@@ -11,6 +11,7 @@ import logging
 import time
 
 import grpc
+import torch
 
 from diloco.algorithm import codec
 from diloco.algorithm.digest import fragment_digests
@@ -23,6 +24,8 @@ from diloco.wire.messages import Assembler, specs_from_proto
 
 log = logging.getLogger("diloco.syncer")
 
+NOT_OWNED = torch.zeros(0)
+"""The initial values of a fragment another shard owns: not decoded, not kept."""
 IDLE = object()
 """Yielded by SyncerService._chunks when a client stream sent nothing for stall_timeout."""
 INIT_IDLE_STALLS = 10
@@ -96,8 +99,9 @@ class InitialUpload:
                                        f"initial parameters exceed the {budget} bytes its tensor specs describe")
                 try:
                     done = assembler.add(chunk.blob)
-                    if done is not None:
-                        flats[done.fragment] = codec.decode(done.payload)
+                    if done is not None:  # a fragment another shard owns is not kept: a shard holds its own part
+                        owned = self.core.owns(done.fragment)
+                        flats[done.fragment] = codec.decode(done.payload) if owned else NOT_OWNED
                 except codec.CorruptPayload as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"initial parameters damaged: {e}")
             if first is None:
@@ -127,7 +131,7 @@ class InitialUpload:
         source = self._initial_file
         try:
             flats = await asyncio.to_thread(initial_model.fragment_values, specs, self.core.cfg.fragments, source,
-                                          self.core.cfg.split_tensors)
+                                          self.core.cfg.split_tensors, self.core.owns)
             adopted = await self._core(self._adopt, specs, flats)
         except (ValueError, Refused) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
@@ -142,7 +146,7 @@ class InitialUpload:
     def _adopt(self, specs, flats) -> bool:
         """`core.initialize`, and the digests of what it adopted, taken on the core worker before any join can be
         served: a fragment is skipped for a joiner only while it still holds exactly these values (version 0)."""
-        adopted = self.core.initialize(specs, flats)
+        adopted = self.core.initialize(specs, flats, take=True)  # made here for it: no second copy
         if adopted:
             owned = [(fs.fragment, flat) for fs, flat in zip(self.core.fragments, flats)
                      if self.core.owns(fs.fragment.index)]
