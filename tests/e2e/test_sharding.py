@@ -121,10 +121,18 @@ def test_a_shard_started_from_a_checkpoint_builds_only_its_own_fragments(tmp_pat
     values = {s.name: torch.randn(s.shape) for s in SPECS}
     save_file(values, str(tmp_path / "model.safetensors"))
     source = initial_model.load(tmp_path / "model.safetensors")
+    assert not hasattr(source, "tensors")  # names and shapes: no value is held until a learner joins
     whole = initial_model.fragment_values(SPECS, 4, source)
+    read, real = [], source.read
+    source.read = lambda name: read.append(name) or real(name)
     mine = initial_model.fragment_values(SPECS, 4, source, owned=lambda index: index % 2 == 1)
+    layout = plan_fragments(SPECS, 4)
     assert [f.numel() > 0 for f in mine] == [False, True, False, True]
     assert all(torch.equal(mine[i], whole[i]) for i in (1, 3))
+    assert sorted(read) == sorted(s.name for i in (1, 3) for s in layout[i].specs)  # only its own tensors were read
+    save_file({**values, SPECS[0].name: torch.zeros(3)}, str(tmp_path / "model.safetensors"))  # the disk changed
+    with pytest.raises(ValueError, match=r"tensor 'emb' of .* is \[3\] now and was \[8, 4\] when the syncer started"):
+        initial_model.fragment_values(SPECS, 4, source)
 
 
 def test_a_shard_resumes_its_own_state_and_refuses_another_shards(tmp_path):
