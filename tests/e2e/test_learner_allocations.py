@@ -14,7 +14,7 @@ from diloco.train.model import GPT
 from benchmarks.learner.overhead import step_allocations
 
 
-def test_a_warm_learner_allocates_under_a_twentieth_of_a_fragment_a_step():
+def test_a_warm_learner_allocates_under_a_kibibyte_a_step():
     torch.manual_seed(0)
     cfg = model_config("small")
     model = GPT(cfg)
@@ -36,8 +36,9 @@ def test_a_warm_learner_allocates_under_a_twentieth_of_a_fragment_a_step():
         counted = step_allocations(train_step, lambda: learner.step(4 * cfg.seq_len), 16)
         assert learner.applied >= 16
         fragment_bytes = 4 * sum(p.numel() for p in model.parameters()) / 8
-        # before the ring and the reused buffers: about 4.5 fragments' fp32 bytes a step
-        assert counted["bytes_per_step"] < fragment_bytes / 20, counted
+        # before the ring and the reused buffers: about 4.5 fragments' fp32 bytes a step; before the scales of a
+        # change were widened into the reused chunk buffer, its fp32 scales (a 64th of fragment_bytes, 6.6 KB) a step
+        assert counted["bytes_per_step"] < min(fragment_bytes / 20, 1024), counted
         learner.finish(timeout=60)
     finally:
         syncer.stop()

@@ -101,3 +101,15 @@ def test_round_trip_is_bitwise_what_the_receiver_decodes(name, numel):
     got = codec.round_trip(x, name)
     assert got.dtype == torch.float32 and got.shape == (numel,)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("numel", [1, 64, 65, 300_001])
+def test_chunks_decoded_into_a_scratch_buffer_are_the_payload_s_values(name, numel, monkeypatch):
+    monkeypatch.setattr(codec, "CHUNK_BLOCKS", 7)  # many chunks, the last one partial
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 100
+    payload = encode(x, name)
+    scratch = torch.full((codec.chunk_scratch(numel),), float("nan"))
+    got = torch.cat([chunk.clone() for _, _, chunk in codec.decoded_chunks(payload, scratch)])
+    assert torch.equal(got, decode(payload))
+    assert codec.chunk_scratch(numel) == min(-(-numel // BLOCK), 7) * (BLOCK + 1)

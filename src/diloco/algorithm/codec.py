@@ -271,10 +271,16 @@ def _dequantise(codec: str, raw: np.ndarray, out: np.ndarray, scales: torch.Tens
     torch.from_numpy(out).view(-1, BLOCK).mul_(scales[:, None])
 
 
+def chunk_scratch(numel: int) -> int:
+    """fp32 values a `decoded_chunks` scratch buffer needs for `numel` values: a chunk and its scales."""
+    blocks = min(-(-numel // BLOCK), CHUNK_BLOCKS)
+    return blocks * BLOCK + blocks
+
+
 def decoded_chunks(payload: Encoded, chunk: torch.Tensor | None = None):
     """(lo, hi, fp32 values lo..hi) of a verified payload, a chunk at a time; an int8 or int4 payload is decoded
-    into `chunk` (fp32, at least min(numel, CHUNK_BLOCKS·BLOCK) values) when given, so that decoding allocates
-    nothing. Each chunk's values are valid until the next is made."""
+    into `chunk` (fp32, at least `chunk_scratch(numel)` values: a chunk and its block scales) when given, so that
+    decoding allocates nothing. Each chunk's values are valid until the next is made."""
     numel, data, step = payload.numel, memoryview(payload.data), CHUNK_BLOCKS * BLOCK
     if payload.codec in ("fp32", "bf16"):
         width, dtype = (4, np.float32) if payload.codec == "fp32" else (2, np.int16)
@@ -284,16 +290,21 @@ def decoded_chunks(payload: Encoded, chunk: torch.Tensor | None = None):
             yield lo, hi, raw if payload.codec == "fp32" else raw.view(torch.bfloat16).to(torch.float32)
         return
     blocks = -(-numel // BLOCK)
-    if chunk is None or chunk.numel() < min(blocks, CHUNK_BLOCKS) * BLOCK:
-        chunk = torch.empty(min(blocks, CHUNK_BLOCKS) * BLOCK, dtype=torch.float32)
-    scales = _scales(data, blocks)
+    room = min(blocks, CHUNK_BLOCKS) * BLOCK
+    if chunk is None or chunk.numel() < chunk_scratch(numel):
+        chunk = torch.empty(chunk_scratch(numel), dtype=torch.float32)
+    bf16_scales = np.frombuffer(data[: SCALE_BYTES * blocks], dtype=np.uint16)  # read in place
+    scale_bits = chunk[room : room + min(blocks, CHUNK_BLOCKS)].numpy().view(np.uint32)
     body = data[SCALE_BYTES * blocks :]
     per_block = BLOCK if payload.codec == "int8" else BLOCK // 2
     for first in range(0, blocks, CHUNK_BLOCKS):
         last = min(first + CHUNK_BLOCKS, blocks)
+        # a bf16 value is the top half of the fp32 with the same bits: widened in place, nothing allocated
+        np.left_shift(bf16_scales[first:last], 16, out=scale_bits[: last - first], dtype=np.uint32)
+        scales = torch.from_numpy(scale_bits[: last - first].view(np.float32))
         raw = np.frombuffer(body[first * per_block : last * per_block], dtype=np.uint8)
         values = chunk[: (last - first) * BLOCK]
-        _dequantise(payload.codec, raw, values.numpy(), scales[first:last])
+        _dequantise(payload.codec, raw, values.numpy(), scales)
         lo, hi = first * BLOCK, min(last * BLOCK, numel)
         yield lo, hi, values[: hi - lo]
 

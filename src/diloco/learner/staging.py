@@ -293,7 +293,7 @@ def kept_progress(values: torch.Tensor, base: torch.Tensor, changes: list[codec.
     numel, step = base.numel(), codec.CHUNK_BLOCKS * codec.BLOCK
     scratch = scratch if scratch is not None else Scratch()
     # payloads verified when they were decoded into the base
-    decoded = [codec.decoded_chunks(c, scratch.get(1 + i, min(step, numel))) for i, c in enumerate(changes)]
+    decoded = [codec.decoded_chunks(c, scratch.get(1 + i, codec.chunk_scratch(numel))) for i, c in enumerate(changes)]
     buffer = scratch.get(0, min(step, numel))
     for lo in range(0, numel, step):
         hi = min(lo + step, numel)
