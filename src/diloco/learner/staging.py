@@ -7,6 +7,8 @@ memory on the training thread: staging and applies reuse their chunk buffers too
 below int4's quantisation step (1/7 of a block's largest value). Otherwise a snapshot is a plain fp32 copy. On CUDA
 the fragment is first copied on the device (fast; the next training kernels wait only for that), then to pinned
 host memory on a side stream; the sender thread waits for that copy, not the training thread. Merged values come back from pinned memory on the same side stream.
+With `Learner(device_codec=True)` no fp32 copy goes to the host: the sender thread computes Δ from the device
+snapshot and a device copy of the base and encodes it there (`DeviceDelta`); only the payload is copied back.
 """
 
 from __future__ import annotations
