@@ -271,7 +271,7 @@ class GrpcTransport(HeartbeatNews):
                 for blob in blobs(i, 0, payload):
                     yield pb.InitChunk(blob=blob)
 
-        progress = Progress(self.stall_timeout, sum(codec.encoded_size(flats.layout[i].numel, "fp32") for i in sorted(kept)))
+        progress = Progress(self.stall_timeout, sum(codec.encoded_size(flats.layout[i].numel, "fp32") for i in kept))
         log.info("uploading the initial model (%s) to the syncer at %s", megabytes(progress.total), self.address)
         call = self.stub.Init.future(self._metered(chunks(), progress, lambda m: len(m.blob.data)))
         try:

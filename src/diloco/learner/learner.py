@@ -438,7 +438,7 @@ class Learner:
         keep = reads_local and self.config.keep_overlap and slot.pushed is not None
         staged = slot.pushed[0] if keep and isinstance(slot.pushed[0], StagedDelta) else None
         tensors = self._tensors(slot.fragment)
-        if staged is not None:  # θ + (Θ − base at push) + Δ, which is Θ + (θ − θ at push) with θ at push = base − Δ
+        if staged is not None:  # θ + (Θ − base at push) + Δ = Θ + (θ − θ at push), θ at push being base − Δ
             changes = self._changes_since_push(slot)
             writes.add_gains(tensors, kept_progress(slot.ready.values, slot.base, changes, staged.values,
                                                     self._scratch))

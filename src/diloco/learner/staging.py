@@ -129,7 +129,7 @@ class DeviceDelta:
     def payload(self, codec_name: str) -> codec.Encoded:
         base, theta, numel = self.base, self.local.device_values, self.base.numel()
         if not theta.is_cuda:
-            return codec.encode_from(numel, lambda lo, hi: base[lo:hi] - theta[lo:hi], codec_name)
+            return codec.encode_difference(base, theta, codec_name)
         size = codec.encoded_size(numel, codec_name)
         side = _side_stream(theta.device)
         with torch.cuda.stream(side):  # after the snapshot and the base's copy, both made on this stream

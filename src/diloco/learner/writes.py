@@ -13,12 +13,8 @@ import torch
 
 
 def spans(tensors: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
-    """`flat` cut into views shaped like `tensors`, which lie end to end in it."""
-    out, offset = [], 0
-    for t in tensors:
-        out.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return out
+    """`flat` cut into views shaped like `tensors`, which lie end to end in it (and fill it)."""
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 @torch.no_grad()
