@@ -10,6 +10,7 @@ gloo on CPU; on GPUs (one per rank) the job uses NCCL and CUDA automatically.
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -71,7 +72,11 @@ def main(syncer: str, learner_id: str, steps: int, check: bool = False, summary:
             with open(summary, "w") as f:
                 json.dump({"steps": learner.step_count, "pushes": learner.pushes, "applied": learner.applied,
                            "tokens": learner.tokens, "mismatches": mismatches, "world": world}, f)
-    dist.barrier()  # no rank tears the group down while another still uses it (a rare abort at exit otherwise)
+    # nothing that holds the group outlives it (DDP's reducer, the learner), and no rank tears the group down while
+    # another still uses it: a rank aborted at exit, rarely, otherwise
+    del learner, ddp, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     if mismatches:
         raise SystemExit(f"rank {rank}: parameters differed between ranks after {mismatches} steps")

@@ -86,6 +86,12 @@ class SyncConfig:
     vanishes (docs/algorithm.md §4). Off, such a tensor merges to 0 (unit(0) = 0), and an open round keeps one running sum, Σ w·unit(Δ), instead
     of two: half the memory of every round in flight and three memory streams per contribution instead of five
     (benchmarks/LOG.md). The fallback is rare: `diloco_rda_vanished_total` counts it."""
+    merge_at_close: bool = False
+    """Ours. Keep an open round's contributions as their payloads (in memory up to the kept-payload budget, on disk
+    beyond; int4: an eighth of their fp32 size) and fold them into the round's sums when it closes, one at a time,
+    instead of keeping running fp32 sums while it is open. A syncer then holds no sums for its open rounds, which are
+    all of them at once when many learners finish together: its memory no longer grows with the learners. Each
+    contribution is decoded twice (benchmarks/LOG.md, "Rounds merged when they close")."""
     scale_partial_rounds: bool = True
     """Ours (the paper takes a full outer step every round). Scale a round's merged Δ by the share of the expected tokens it carries (its tokens over those plus the
     typical contribution of each live learner missing from it). 1 when everyone contributes; with K = 1 and

@@ -22,7 +22,7 @@ SYNC_FLAGS = ("fragments", "split_tensors", "sync_every", "overlap", "quorum", "
               "absent_after_seconds", "delayed_momentum", "momentum_every", "keep_overlap", "max_steps_ratio", "grace_expect_steps", "align_pushes",
               "sync_buffers", "max_norm_ratio", "norm_ceiling", "preset", "scale_partial_rounds", "direction_floor",
               "agreement_floor", "refuse_replays",
-              "clamp_long_contributions", "publish_to", "rda_mean_fallback", "bf16_residual", "wire_compression",
+              "clamp_long_contributions", "publish_to", "rda_mean_fallback", "merge_at_close", "bf16_residual", "wire_compression",
               "clip_norm_ratio", "max_counter_ratio", "max_round_ratio", "repeat_push")
 
 
@@ -88,6 +88,10 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--rda-mean-fallback", action=argparse.BooleanOptionalAction, default=None,
                    help="merge as the weighted mean where RDA's mean direction vanishes (paper); --no-rda-mean-fallback "
                         "merges such a tensor to 0 and keeps one running sum per open round instead of two")
+    g.add_argument("--merge-at-close", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep an open round's contributions encoded (in memory up to --agreement-buffer, on disk "
+                        "beyond) and merge them when the round closes: no fp32 sums for open rounds, so memory does "
+                        "not grow with the learners; each contribution is decoded twice (off)")
     g.add_argument("--bf16-residual", action=argparse.BooleanOptionalAction, default=None,
                    help="with a lossy --down-codec keep Θ as the published values plus a bf16 residual, half a model "
                         "less syncer memory (default preset: on; paper: off, a second fp32 copy)")

@@ -346,7 +346,8 @@ class SyncerCore(Membership, RoundTiming):
         params = fs.fragment.role == "params"
         # the agreement test's summary of Δ as sent, and the payload to fold it in anew if its round scales it down
         judged = params and self.cfg.agreement_floor > 0
-        sketch, encoded = (agreement.sketch(delta), payload) if judged else (None, None)
+        sketch = agreement.sketch(delta) if judged else None
+        encoded = payload if judged or self.cfg.merge_at_close else None
         scale = 1.0
         method = self.cfg.merge if params else "mean"
         # one read of Δ gives its norms to the guard and to RDA alike
@@ -447,6 +448,11 @@ class SyncerCore(Membership, RoundTiming):
         if encoded is not None:  # in memory up to its budget, beyond it on disk (syncer/kept_payloads.py)
             encoded = self.kept_payloads.keep(fragment, encoded, 4 * sum(f.fragment.numel for f in self.owned))
         c.sketch, c.encoded, c.scale, c.weight = sketch, encoded, scale, weight
+        if self.cfg.merge_at_close:  # folded in from its kept payload when the round closes (rounds.close)
+            self.buffers.give(delta)
+            with self.lock:
+                self._pending(fragment, fs, c, arrived)
+            return PushResult(True)
         try:
             self.repeat.fold(self.buffers, fs, method, learner_id, delta, weight, norms, payload, older is not None)
         except (ArithmeticError, RuntimeError, ValueError) as e:
@@ -456,13 +462,17 @@ class SyncerCore(Membership, RoundTiming):
                 fs.pending[learner_id] = c
             return PushResult(False, f"merge error: {fs.merging.failed}; its round is dropped", resync=True)
         with self.lock:
-            fs.pending[learner_id] = c
-            if fs.opened_at is None:
-                fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
-            if fs.quorum_at is None:  # reached when the push that makes it arrives, however late the next poll
-                avg = self.averages()
-                self._note_quorum(fs, *self._decide(fragment, fs, self.live(), avg, arrived), avg)
+            self._pending(fragment, fs, c, arrived)
         return PushResult(True)
+
+    def _pending(self, fragment: int, fs: FragmentState, c: Contribution, arrived: float) -> None:
+        """`c` joins the open round of `fragment` (under the lock)."""
+        fs.pending[c.learner] = c
+        if fs.opened_at is None:
+            fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
+        if fs.quorum_at is None:  # reached when the push that makes it arrives, however late the next poll
+            avg = self.averages()
+            self._note_quorum(fs, *self._decide(fragment, fs, self.live(), avg, arrived), avg)
 
     def _back_claims(self, record: LearnerRecord, credential: str, arrived: float) -> None:
         """An accepted push vouches for what `record`'s heartbeats claim it trained (`tokens_backed`), when declared

@@ -54,10 +54,9 @@ def release_kept(core, fs) -> None:
     fs.kept = {}
 
 
-def agreed(core, fs, contributions: list, merging: StreamingMerge) -> StreamingMerge:
+def agreement_factors(core, fs, contributions: list) -> list[float]:
     """The agreement test on a closing round (syncer/defences/agreement.py): each contribution's factor, judged
-    against the round's other contributions and the last rounds', and the round's sums made anew from the
-    contributions' payloads when a factor is below 1. Worker thread."""
+    against the round's other contributions and the last rounds'. Worker thread."""
     credentials = [core.learners[c.learner].credential or c.learner for c in contributions]
     sketches = [c.sketch for c in contributions]
     # the last rounds' contributions of other credentials are others to agree with too: a round of one or two is
@@ -72,12 +71,17 @@ def agreed(core, fs, contributions: list, merging: StreamingMerge) -> StreamingM
     fs.agreement_peers = {k: v for k, v in fs.agreement_peers.items() if v[0] >= oldest}
     for c, (factor, score) in zip(contributions, verdicts):
         c.agreement, c.agreement_score, c.sketch = factor, score, None
-    if all(factor == 1.0 for factor, _ in verdicts):
-        return merging
-    again = StreamingMerge(merging.segments, core.cfg.merge, core.buffers, merging.mean_fallback)
+    return [factor for factor, _ in verdicts]
+
+
+def refold(core, fs, contributions: list, factors: list[float], merging: StreamingMerge, method: str) -> StreamingMerge:
+    """The round's sums made anew from its contributions' kept payloads, each scaled by its factor: when the
+    agreement test scales one down, and every round with `merge_at_close`. One contribution is decoded at a time, so
+    this holds the sums and one fragment-sized buffer. Worker thread."""
+    again = StreamingMerge(merging.segments, method, core.buffers, merging.mean_fallback)
     core.buffers.give(merging.sum)
     core.buffers.give(merging.units)
-    for c, (factor, _) in zip(contributions, verdicts):
+    for c, factor in zip(contributions, factors):
         if c.weight * factor <= 0 and again.base > 0:
             continue  # folded in with no weight: nothing
         delta = core.buffers.take(fs.fragment.numel)
@@ -88,9 +92,14 @@ def agreed(core, fs, contributions: list, merging: StreamingMerge) -> StreamingM
             again.failed = f"a kept payload of {c.learner} could not be read back: {e}"
             return again
         delta.mul_(c.scale * factor)
-        again.add(delta, c.weight * factor)
+        try:
+            again.add(delta, c.weight * factor)
+        except (ArithmeticError, RuntimeError, ValueError) as e:  # as a push's fold: the round is dropped
+            again.failed = f"{type(e).__name__}: {e}"
         if again.sum is not delta:
             core.buffers.give(delta)
+        if again.failed is not None:
+            return again
     return again
 
 
@@ -110,8 +119,11 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     merging, fs.merging = fs.merging, None
     release_kept(core, fs)
     # ---- the arithmetic, without the lock
-    if params and core.cfg.agreement_floor and merging.failed is None:
-        merging = agreed(core, fs, contributions, merging)
+    if merging.failed is None:
+        factors = ([1.0] * len(contributions) if not (params and core.cfg.agreement_floor)
+                   else agreement_factors(core, fs, contributions))
+        if core.cfg.merge_at_close or any(f != 1.0 for f in factors):
+            merging = refold(core, fs, contributions, factors, merging, core.cfg.merge if params else "mean")
     delta = merging.result() if merging.failed is None else None
     vanished = merging.vanished
     steps = sum(s for _, s in counted) / len(counted)
