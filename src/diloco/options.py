@@ -91,7 +91,7 @@ def add_sync_options(p: argparse.ArgumentParser, modes=MODES) -> None:
     g.add_argument("--merge-at-close", action=argparse.BooleanOptionalAction, default=None,
                    help="keep an open round's contributions encoded (in memory up to --agreement-buffer, on disk "
                         "beyond) and merge them when the round closes: no fp32 sums for open rounds, so memory does "
-                        "not grow with the learners; each contribution is decoded twice (off)")
+                        "not grow with the learners; each contribution is decoded twice (on)")
     g.add_argument("--bf16-residual", action=argparse.BooleanOptionalAction, default=None,
                    help="with a lossy --down-codec keep Θ as the published values plus a bf16 residual, half a model "
                         "less syncer memory (default preset: on; paper: off, a second fp32 copy)")

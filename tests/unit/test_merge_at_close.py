@@ -58,20 +58,23 @@ def test_rounds_merged_at_close_publish_what_running_sums_publish(repeat_push):
         assert (fs.outer_values() - other.outer_values()).abs().max().item() < 1e-4 * moved
 
 
-def test_an_open_round_merged_at_close_holds_payloads_and_no_sums():
+@pytest.mark.parametrize("repeat_push", ["close", "replace"])
+def test_an_open_round_merged_at_close_holds_payloads_and_no_sums(repeat_push):
     core, clock = core_in_memory(8, SPECS, linspace, fragments=P, sync_every=H, codec="int4", grace=0.0,
-                                 agreement_floor=0.0, merge_at_close=True)
+                                 agreement_floor=0.0, merge_at_close=True, repeat_push=repeat_push)
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(8)}
     steps = Steps(max(fs.fragment.numel for fs in core.fragments))
-    kept = 0
+    kept = {}
     for p, fs in enumerate(core.fragments):
-        for lid, session in sessions.items():
+        # with replace, l0 pushes twice: its second push takes the first one's place, and no Δ is kept for it
+        for seq, (lid, session) in enumerate([*sessions.items()] + ([("l0", sessions["l0"])] if repeat_push ==
+                                                                     "replace" else [])):
             payload = codec.encode(steps.honest()[: fs.fragment.numel], "int4")
-            kept += len(payload.data)
-            assert core.push(lid, session, 1, p, 0, H, 600, payload).accepted
-    assert all(len(fs.pending) == 8 and fs.merging.sum is None and fs.merging.units is None for fs in core.fragments)
-    assert memory.core_parts(core)["open_rounds"] == kept  # an eighth of each Δ, and no fp32 sum beside it
-    assert core.kept_payloads.in_memory == kept
+            kept[p, lid] = len(payload.data)  # a replaced push's payload is let go
+            assert core.push(lid, session, 1 + seq, p, 0, H, 600, payload).accepted
+    assert all(len(fs.pending) == 8 and fs.merging.sum is None and fs.merging.units is None and not fs.kept
+               for fs in core.fragments)
+    assert memory.core_parts(core)["open_rounds"] == sum(kept.values())  # an eighth of each Δ, and no fp32 sum
     assert len(core.poll(force=True)) > 0 and all(fs.version == 1 and not fs.pending for fs in core.fragments)
     assert core.kept_payloads.in_memory == 0
     assert memory.core_parts(core)["open_rounds"] == 0

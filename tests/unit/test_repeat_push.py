@@ -27,8 +27,9 @@ LR, MU = 0.7, 0.9
 def make_core(repeat_push: str, learners: int = 2, **overrides):
     """Two learners, K = 2 (a first push stays pending), the plain weighted mean, fp32 pushes, DiLoCo's Nesterov
     outer step taken in full every round: a round's result is the formulas of docs/algorithm.md §4, computable by hand
-    (no agreement test: its sketches would be open-round memory beside the kept Δs these tests count)."""
-    settings = dict(sync_every=H, codec="fp32", quorum=learners, merge="mean", outer_lr=LR,
+    (no agreement test: its sketches would be open-round memory beside the kept Δs these tests count), and running
+    sums while a round is open, whose kept Δs they count (tests/unit/test_merge_at_close.py: the same rounds)."""
+    settings = dict(sync_every=H, codec="fp32", quorum=learners, merge="mean", outer_lr=LR, merge_at_close=False,
                     outer_momentum=MU, delayed_momentum=False, scale_partial_rounds=False, grace=0.0,
                     grace_expect_steps=0.0, clip_norm_ratio=0.0, max_counter_ratio=0.0, max_norm_ratio=0.0,
                     max_round_ratio=0.0, agreement_floor=0.0, repeat_push=repeat_push)

@@ -57,9 +57,9 @@ def STANDING() -> float:  # noqa: N802
 
 
 def peak_bytes(learners: int, rounds: int = 3, **overrides) -> int:
+    """The most bytes the core held; its open rounds keep running sums unless `merge_at_close` is given."""
     cfg = for_mode("decoupled", learners, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
-                   refuse_replays=False,
-                   **overrides)
+                   refuse_replays=False, **{"merge_at_close": False, **overrides})
     core = SyncerCore(cfg, clock=STANDING)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(learners)}
@@ -101,6 +101,17 @@ def test_syncer_memory_does_not_grow_with_the_number_of_learners():
     assert 1.9 * P * FRAGMENT_BYTES < with_momentum - two < 2.1 * P * FRAGMENT_BYTES, (with_momentum - two) / (P * FRAGMENT_BYTES)
 
 
+def test_rounds_merged_at_close_hold_no_sums_and_a_payload_per_contribution():
+    # every fragment's round open at once with every learner in it: no fp32 sums, only each contribution's payload
+    # (one per learner here: each pushes one payload to every fragment), which a server keeps in memory up to its
+    # --agreement-buffer and on disk beyond
+    payload = len(codec.encode(torch.zeros(NUMEL), "int4").data)
+    two, sixteen = (peak_bytes(m, merge_at_close=True, agreement_floor=0.0) for m in (2, 16))
+    assert 14 * payload <= sixteen - two <= 14 * payload + FRAGMENT_BYTES, (sixteen - two) / payload
+    streaming = peak_bytes(16, agreement_floor=0.0)  # a running sum per fragment instead of the payloads
+    assert streaming - sixteen >= P * FRAGMENT_BYTES - 16 * payload, (streaming - sixteen) / FRAGMENT_BYTES
+
+
 def test_the_agreement_test_keeps_a_payload_and_a_sketch_per_contribution_of_an_open_round():
     # each learner here pushes one int4 payload to all P fragments: one payload per learner, and its sketch in each
     # fragment's open round and among the fragment's peers (the last rounds' latest per credential)
@@ -140,10 +151,10 @@ def test_a_round_waiting_for_its_second_contribution_holds_the_first_one_encoded
 
 
 @pytest.mark.parametrize("agreement_floor", [0.0, 0.25])  # the agreement test keeps sketches and payloads
-def test_the_memory_report_accounts_for_what_the_core_holds(agreement_floor):
+@pytest.mark.parametrize("merge_at_close", [False, True])  # running sums, or payloads merged when rounds close
+def test_the_memory_report_accounts_for_what_the_core_holds(agreement_floor, merge_at_close):
     cfg = for_mode("decoupled", 3, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
-                   refuse_replays=False,
-                   agreement_floor=agreement_floor)
+                   refuse_replays=False, agreement_floor=agreement_floor, merge_at_close=merge_at_close)
     core = SyncerCore(cfg, clock=STANDING)
     core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
     sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(3)}
@@ -156,7 +167,11 @@ def test_the_memory_report_accounts_for_what_the_core_holds(agreement_floor):
                 payload = codec.encode(torch.randn(NUMEL, generator=g) * 1e-3, "int4")
                 assert core.push(lid, session, seq, p, core.fragments[p].version, P, 100 * P, payload).accepted
         parts = memory.core_parts(core)
-        assert parts["open_rounds"] >= P * FRAGMENT_BYTES  # every round has a running sum
+        if merge_at_close:  # each contribution's payload (an eighth of its fragment), no sums
+            assert all(fs.merging.sum is None for fs in core.fragments if fs.merging is not None)
+            assert 0 < parts["open_rounds"] < P * FRAGMENT_BYTES / 2
+        else:
+            assert parts["open_rounds"] >= P * FRAGMENT_BYTES  # every round has a running sum
         assert sum(parts.values()) == held_bytes(core), (parts, held_bytes(core))
         publications = core.poll(force=True)
         parts = memory.core_parts(core)
