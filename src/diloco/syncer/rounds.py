@@ -12,7 +12,7 @@ import torch
 
 from diloco.algorithm import codec
 from diloco.config import SyncConfig
-from diloco.algorithm.merge import StreamingMerge, token_weight
+from diloco.algorithm.merge import StreamingMerge, segment_norms, token_weight
 from diloco.algorithm.outer import outer_update
 from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
@@ -86,14 +86,20 @@ def refold(core, fs, contributions: list, factors: list[float], merging: Streami
             continue  # folded in with no weight: nothing
         delta = core.buffers.take(fs.fragment.numel)
         try:
-            codec.decode(core.kept_payloads.load(c.encoded), delta)
+            payload = core.kept_payloads.load(c.encoded)
+            codec.decode(payload, delta)
         except (codec.CorruptPayload, OSError) as e:  # a kept payload the disk gave back damaged: no exact sums
             core.buffers.give(delta)
             again.failed = f"a kept payload of {c.learner} could not be read back: {e}"
             return again
-        delta.mul_(c.scale * factor)
+        scaled = c.scale * factor != 1.0
+        if scaled:
+            delta.mul_(c.scale * factor)
+        # folded in as a push is (SyncerCore._admit): its norms, and its payload while it is Δ as sent, so that a round
+        # merged at close adds in the same order and the same way as running sums do
+        norms = segment_norms(delta, again.segments) if any(again.rda) else None
         try:
-            again.add(delta, c.weight * factor)
+            again.add(delta, c.weight * factor, norms, None if scaled else payload)
         except (ArithmeticError, RuntimeError, ValueError) as e:  # as a push's fold: the round is dropped
             again.failed = f"{type(e).__name__}: {e}"
         if again.sum is not delta:
