@@ -797,6 +797,22 @@ def test_answers_computed_before_a_rejoin_are_not_delivered_to_the_new_session()
     assert service._queue("a").qsize() == 0
 
 
+def test_answers_to_a_learner_that_left_are_not_queued():
+    from diloco.syncer.observation.metrics import SyncerMetrics
+    from diloco.syncer.serving.service import SyncerService
+
+    core, _ = make_core(learners=2, grace=0.0, quorum=1)
+    service = SyncerService(core, SyncerMetrics())
+    a, b = core.join("a", SPECS), core.join("b", SPECS)
+    push(core, "a", a, 1, value=0.3)
+    push(core, "b", b, 1, value=0.2)
+    core.leave("a", a)  # its last push is still in an open round, as when a learner finishes
+    answers = core.poll()
+    assert {pub.learner for pub in answers} == {"a", "b"}
+    service.deliver(answers)
+    assert service._queue("a").qsize() == 0 and service._queue("b").qsize() == 1
+
+
 def test_the_budget_counts_what_was_trained_between_pushes_when_applies_restart_a_learners_counters():
     # published to every live learner, a learner applies each fragment between its own pushes of it, and its
     # counters run from that apply: its second pushes carry 100 tokens of the 600 it trained since its first

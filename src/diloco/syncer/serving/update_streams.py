@@ -54,7 +54,10 @@ class UpdateStreams:
     def deliver(self, publications: list[Publication]) -> None:
         for pub in publications:
             record = self.core.learners.get(pub.learner)
-            if for_current_session(pub, record) and not record.revoked:
+            # a learner that left reads no more answers (it left once it had those it needed): queued, they would wait
+            # for its record to be forgotten, a fragment of full values or a change each, for every learner that
+            # finished while the rounds of its last pushes were open
+            if for_current_session(pub, record) and not record.revoked and not record.left:
                 self._queue(pub.learner).put_nowait(pub)
         if publications:
             self.metrics.observe_rounds(self.core)
