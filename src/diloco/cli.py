@@ -224,6 +224,15 @@ def cmd_learner(args) -> int:
                      else ShardedTransport(args.syncer, **options))
     try:
         summary = run_learner(cfg, transport, opts, device=device, process_group=group)
+        if group is not None:
+            import gc
+
+            import torch.distributed as dist
+
+            # what held the group (model, optimizer, learner) goes while it lives, and no rank tears it down while
+            # another still uses it: gloo's threads aborted a rank at exit otherwise, rarely (docs/operations.md)
+            gc.collect()
+            dist.barrier()
     finally:
         if group is not None:
             import torch.distributed as dist
