@@ -75,6 +75,7 @@ def test_an_open_round_merged_at_close_holds_payloads_and_no_sums(repeat_push):
     assert all(len(fs.pending) == 8 and fs.merging.sum is None and fs.merging.units is None and not fs.kept
                for fs in core.fragments)
     assert memory.core_parts(core)["open_rounds"] == sum(kept.values())  # an eighth of each Δ, and no fp32 sum
+    assert core.kept_payloads.in_memory == sum(kept.values())  # what counts toward the budget: no replaced one
     assert len(core.poll(force=True)) > 0 and all(fs.version == 1 and not fs.pending for fs in core.fragments)
     assert core.kept_payloads.in_memory == 0
     assert memory.core_parts(core)["open_rounds"] == 0

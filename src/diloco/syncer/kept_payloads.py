@@ -53,9 +53,16 @@ class KeptPayloads:
         self._lock = threading.Lock()
         self._warned = False
 
-    def keep(self, fragment: int, payload: Encoded, model_bytes: int) -> Encoded | Spilled:
+    def keep(self, fragment: int, payload: Encoded, model_bytes: int,
+             replacing: Encoded | Spilled | None = None) -> Encoded | Spilled:
+        """Keep `payload`; `replacing`: what was kept for the push it replaces (`repeat_push` replace), which no
+        round reads again: one kept in memory no longer counts toward the budget (one on disk stays in its file
+        until the round closes)."""
         size = len(payload.data)
         with self._lock:
+            if isinstance(replacing, Encoded):
+                self.in_memory -= len(replacing.data)
+                self._memory[fragment] = self._memory.get(fragment, 0) - len(replacing.data)
             if self.share is None or self.in_memory + size <= self.share * model_bytes:
                 return self._in_memory(fragment, payload)
         try:
