@@ -448,7 +448,7 @@ class SyncerCore(Membership, RoundTiming):
         if encoded is not None:  # in memory up to its budget, beyond it on disk (syncer/kept_payloads.py)
             encoded = self.kept_payloads.keep(fragment, encoded, 4 * sum(f.fragment.numel for f in self.owned),
                                               replacing=older.encoded if older is not None else None)
-        c.sketch, c.encoded, c.scale, c.weight = sketch, encoded, scale, weight
+        c.sketch, c.encoded, c.scale, c.weight, c.norms = sketch, encoded, scale, weight, norms
         if self.cfg.merge_at_close:  # folded in from its kept payload when the round closes (rounds.close)
             self.buffers.give(delta)
             with self.lock:

@@ -43,6 +43,8 @@ class Contribution:
     """With the agreement test: its payload as it arrived, to fold it in anew when the test scales it down."""
     scale: float = 1.0
     """What its decoded Δ was multiplied by before it was folded in (the robust merge's clip, the direction test)."""
+    norms: list[float] | None = None
+    """`segment_norms` of its Δ times `scale`, as measured on arrival: folded in anew, it is not read for them again."""
     weight: float = 0.0
     """The weight it was folded in with."""
     bounded: bool = False

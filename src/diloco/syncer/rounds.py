@@ -97,7 +97,9 @@ def refold(core, fs, contributions: list, factors: list[float], merging: Streami
             delta.mul_(c.scale * factor)
         # folded in as a push is (SyncerCore._admit): its norms, and its payload while it is Δ as sent, so that a round
         # merged at close adds in the same order and the same way as running sums do
-        norms = segment_norms(delta, again.segments) if any(again.rda) else None
+        norms = None if c.norms is None else [n * factor for n in c.norms]
+        if norms is None and any(again.rda):
+            norms = segment_norms(delta, again.segments)
         try:
             again.add(delta, c.weight * factor, norms, None if scaled else payload)
         except (ArithmeticError, RuntimeError, ValueError) as e:  # as a push's fold: the round is dropped
