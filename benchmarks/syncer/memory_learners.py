@@ -8,7 +8,8 @@ drift and noise of each learner's own, so that the syncer refuses no push as a r
 finished (every learner flushes what it has left at once, as at the end of a run). A thread reads the syncer's
 /status every 50 ms; reported per M: the syncer's peak RSS (VmHWM) and its parts (`memory` in /status:
 docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in MiB and as multiples of the fp32
-model, and the syncer's CPU seconds per push from the learners' join to their finish (what --mmap-threshold costs). The learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer
+model, the syncer's CPU seconds per push from the learners' join to their finish (what --mmap-threshold costs), and
+what the learners received after their join, with the answers sent as full values (what --change-buffer costs). The learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer
 is what this measures.
 """
 
@@ -81,6 +82,7 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str], m
             started = time.monotonic()
             running = [Learner(m, GrpcTransport(f"127.0.0.1:{grpc_port}"), f"l{i}") for i, m in enumerate(models)]
             phase[0] = "steps"
+            received_at_join = sum(learner.transport.bytes_received for learner in running)
             for _ in range(steps):
                 for m, learner in zip(models, running):
                     with torch.no_grad():
@@ -92,6 +94,9 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str], m
                 learner.finish()
             time.sleep(1.0)  # a last sample after the flush
             done.set()
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=30) as r:
+                full_answers = json.loads(r.read()).get("full_answers", {})
+            received = sum(learner.transport.bytes_received for learner in running) - received_at_join
             hwm = proc_mib(syncer.pid, "VmHWM")
             cpu = cpu_seconds(syncer.pid) - cpu_at_start
             pushes = sum(learner.pushes for learner in running)
@@ -105,7 +110,9 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str], m
             "peak_above_baseline_over_model": round((hwm - baseline) * mib / fp32, 2),
             "parts_at_peak_mib": parts, "peak_phase": peak.get("phase"), "seconds": round(time.monotonic() - started),
             "mmap_threshold": mmap_threshold, "syncer_cpu_seconds": round(cpu, 2), "pushes": pushes,
-            "syncer_cpu_ms_per_push": round(1e3 * cpu / max(pushes, 1), 2)}
+            "syncer_cpu_ms_per_push": round(1e3 * cpu / max(pushes, 1), 2),
+            "received_after_join_mib": round(received / mib, 1), "full_answers": full_answers.get("count"),
+            "full_answers_mib": round(full_answers.get("bytes", 0) / mib, 1)}
 
 
 def main() -> int:
@@ -126,7 +133,9 @@ def main() -> int:
         print(f"M = {m:3d}: peak RSS {r['peak_rss_mib']:.0f} MiB = {r['peak_over_model']:.2f}× the model "
               f"({r['model_mib']:.0f} MiB), {r['peak_above_baseline_over_model']:.2f}× above the syncer's idle "
               f"{r['baseline_rss_mib']:.0f} MiB; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}; "
-              f"syncer CPU {r['syncer_cpu_ms_per_push']:.1f} ms a push ({r['pushes']} pushes)",
+              f"syncer CPU {r['syncer_cpu_ms_per_push']:.1f} ms a push ({r['pushes']} pushes); learners received "
+              f"{r['received_after_join_mib']:.0f} MiB after their join, {r['full_answers']} answers in full values "
+              f"({r['full_answers_mib']:.0f} MiB)",
               flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -87,6 +87,9 @@ def cmd_syncer(args) -> int:
     if not 0 <= args.agreement_buffer < float("inf"):
         raise UserError(f"--agreement-buffer must be a share of the model's size, 0 (no bound) or more, got "
                         f"{args.agreement_buffer}")
+    if not 0 <= args.change_buffer < float("inf"):
+        raise UserError(f"--change-buffer must be a share of the model's size, 0 (no bound) or more, got "
+                        f"{args.change_buffer}")
     if not 0 <= args.trim_above < float("inf"):
         raise UserError(f"--trim-above must be MiB, 0 (never) or more, got {args.trim_above}")
     if not 0 <= args.send_window < float("inf"):
@@ -109,6 +112,7 @@ def cmd_syncer(args) -> int:
                          allow_takeover=args.allow_takeover, shard=args.shard, initial_model=args.initial_model,
                          exit_when_done=args.exit_when_done, push_buffer_share=args.push_buffer,
                          send_window=int(args.send_window * 2**20), agreement_buffer_share=args.agreement_buffer,
+                         change_buffer_share=args.change_buffer,
                          trim_above=int(args.trim_above * 2**20),
                          credentials=args.credentials, client_cert_ids=args.client_cert_ids)
     try:
@@ -310,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of open rounds' payloads the agreement test keeps in memory, as a share of the model's "
                         "fp32 size (0.25): beyond it they wait in unnamed files in the --state folder until their "
                         "round closes, so memory does not grow with the learners; 0: no bound")
+    n.add_argument("--change-buffer", type=float, default=0.25, metavar="SHARE",
+                   help="bytes of merged-fragment changes the syncer keeps for learners that lag, as a share of the "
+                        "model's fp32 size (0.25): beyond it the oldest are dropped, and a learner that misses one "
+                        "is sent full values, so memory does not grow with the learners; 0: no bound")
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
     b.add_argument("--duration", type=float,

@@ -265,6 +265,38 @@ def test_the_change_window_keeps_what_live_learners_miss_and_no_more():
     assert [w for w, _, _ in core.fragments[1].changes] == []  # a holds version 4, the only live learner
 
 
+def test_the_change_buffer_drops_the_oldest_changes_of_the_longest_window_and_a_learner_that_misses_one_gets_full_values():
+    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
+             TensorSpec("w2", (128,), "float32")]
+    core, _ = make_core(learners=2, specs=specs, grace=0.0, quorum=1, down_codec="int8")
+    sa, sb = core.join("a", specs), core.join("b", specs)
+    g = torch.Generator().manual_seed(3)
+
+    def round_of(lid, session, seq, fragment):
+        n = core.fragments[fragment].fragment.numel
+        core.push(lid, session, seq, fragment, core.fragments[fragment].version, 2, 200,
+                  codec.encode(torch.randn(n, generator=g), "fp32"))
+        return core.poll(force=True)
+
+    for seq in (1, 2):  # b, live, lags on fragments 1 and 2: each keeps what it misses
+        round_of("a", sa, 2 * seq - 1, 1)
+        round_of("a", sa, 2 * seq, 2)
+    kept = lambda i: [w for w, _, _ in core.fragments[i].changes]  # noqa: E731
+    assert kept(1) == [1, 2] and kept(2) == [1, 2]
+    one_change = len(core.fragments[1].changes[-1][1].data)  # 640 values in int8 and their scales
+    model_bytes = 4 * sum(fs.fragment.numel for fs in core.fragments)
+    # room for what is kept and half a change more: fragment 1's third round drops its own oldest change, not
+    # fragment 2's smaller ones
+    core.change_buffer = (2.5 * one_change + 2 * len(core.fragments[2].changes[-1][1].data)) / model_bytes
+    round_of("a", sa, 5, 1)
+    assert kept(1) == [2, 3] and kept(2) == [1, 2]
+    assert core.status()["full_answers"]["count"] == 0
+    pubs = round_of("b", sb, 1, 1)  # b holds version 0 of fragment 1, whose first change is gone: full values
+    assert [(p.version, p.full) for p in pubs] == [(4, True)]
+    pubs = round_of("b", sb, 2, 2)  # fragment 2's chain is whole: changes
+    assert [(p.version, p.full) for p in pubs] == [(1, False), (2, False), (3, False)]
+
+
 def test_a_chain_link_is_never_applied_as_an_answer():
     from diloco.learner.learner import Learner
     from diloco.inprocess import LocalSyncer, LocalTransport

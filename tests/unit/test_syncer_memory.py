@@ -101,6 +101,30 @@ def test_syncer_memory_does_not_grow_with_the_number_of_learners():
     assert 1.9 * P * FRAGMENT_BYTES < with_momentum - two < 2.1 * P * FRAGMENT_BYTES, (with_momentum - two) / (P * FRAGMENT_BYTES)
 
 
+@pytest.mark.parametrize("change_buffer", [None, 0.1])
+def test_changes_kept_for_lagging_learners_stay_within_the_change_buffer(change_buffer):
+    cfg = for_mode("decoupled", 8, fragments=P, sync_every=P, codec="int4", down_codec="int8", grace=0.0,
+                   refuse_replays=False, agreement_floor=0.0)
+    core = SyncerCore(cfg, clock=STANDING)
+    core.change_buffer = change_buffer
+    core.initialize(SPECS, [torch.zeros(f.numel) for f in plan_fragments(SPECS, P)])
+    sessions = {f"l{i}": core.join(f"l{i}", SPECS) for i in range(8)}
+    g = torch.Generator().manual_seed(0)
+    payload = codec.encode(torch.randn(NUMEL, generator=g) * 1e-3, "int4")
+    most = 0
+    for r in range(4):  # l7, live, never pushes: it lags on every fragment by one more version each round
+        for p in range(P):
+            for lid, session in sessions.items():
+                if lid != "l7":
+                    assert core.push(lid, session, r + 1, p, core.fragments[p].version, P, 100 * P, payload).accepted
+        core.poll(force=True)
+        most = max(most, memory.core_parts(core)["changes"])
+    if change_buffer is None:  # the window alone: up to the model (a chain is kept while smaller than full values)
+        assert most >= 0.7 * P * FRAGMENT_BYTES, most / (P * FRAGMENT_BYTES)
+    else:
+        assert most <= change_buffer * P * FRAGMENT_BYTES, most / (P * FRAGMENT_BYTES)
+
+
 def test_rounds_merged_at_close_hold_no_sums_and_a_payload_per_contribution():
     # every fragment's round open at once with every learner in it: no fp32 sums, only each contribution's payload
     # (one per learner here: each pushes one payload to every fragment), which a server keeps in memory up to its

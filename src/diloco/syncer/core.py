@@ -95,11 +95,11 @@ class SyncerCore(Membership, RoundTiming):
         """Decoded pushes and RDA sums, reused (sized by `bound_buffers` once the fragments are known)."""
         self.kept_payloads = KeptPayloads()
         """The agreement test's payloads of open rounds; the server bounds what stays in memory."""
+        self.change_buffer: float | None = None  # downlink changes kept, a share of the fp32 fragments (None: all)
         self.learners: dict[str, LearnerRecord] = {}
         self.departed = {"trained": 0, "budget": 0.0, "merged": 0.0}
         """Tokens trained, counted by the budget and merged of the learners forgotten (`expire`)."""
-        self.quorum_avg = MovingAverage()
-        self.sync_avg = MovingAverage()
+        self.quorum_avg, self.sync_avg = MovingAverage(), MovingAverage()
         self.rounds = 0
         self.dropped_rounds = 0
         """Rounds closed without publishing (non-finite or outsized merged Δ: rounds.unpublishable)."""

@@ -66,6 +66,26 @@ def forget_held(fs, held: list[int]) -> None:
         fs.changes.popleft()
 
 
+def bound_changes(fragments, budget: float) -> int:
+    """Drop changes until all `fragments`' windows together hold at most `budget` bytes: each time the oldest
+    change of the fragment that keeps the most. A change is kept only for a live learner that lags behind on its
+    fragment (`forget_held`); one that misses a dropped link gets full values instead, so the bound trades downlink
+    bytes for memory that would otherwise fill up to about the model with many learners that lag (benchmarks/LOG.md,
+    "A bound on the downlink changes"). Returns how many were dropped."""
+    kept = [[fs, sum(len(c.data) for _, c, _ in fs.changes)] for fs in fragments]
+    total, dropped = sum(size for _, size in kept), 0
+    while total > budget:
+        entry = max(kept, key=lambda e: e[1])
+        fs = entry[0]
+        if not fs.changes:
+            break
+        _, change, _ = fs.changes.popleft()
+        entry[1] -= len(change.data)
+        total -= len(change.data)
+        dropped += 1
+    return dropped
+
+
 def count_full(tally: dict, publications) -> None:
     """Add the full-value answers among `publications` to `tally` ({"count", "bytes"}; the core's
     `full_answers`, under its lock)."""

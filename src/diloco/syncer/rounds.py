@@ -239,6 +239,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
         with core.lock:
             held = [v for i in core.live() if (v := core.learners[i].versions.get(index)) is not None]
         downlink.forget_held(fs, held)
+        if core.change_buffer is not None:  # after this round's answers took what they need
+            downlink.bound_changes(core.owned, core.change_buffer * 4 * sum(f.fragment.numel for f in core.owned))
     seconds = time.monotonic() - started
     with core.lock:
         downlink.count_full(core.full_answers, out)

@@ -99,6 +99,9 @@ class ServerOptions:
     agreement_buffer_share: float = 0.25
     """Bytes of the agreement test's payloads of open rounds kept in memory, as a share of the model's fp32 size;
     beyond it they wait in unnamed files in `out` until their round closes (0: no bound; syncer/kept_payloads.py)."""
+    change_buffer_share: float = 0.25
+    """Bytes of downlink changes kept for learners that lag, as a share of the model's fp32 size; beyond it the oldest
+    are dropped and a learner that misses one gets full values (0: no bound but the window's; downlink.bound_changes)."""
     exit_when_done: bool = False
     """Stop serving once the budget (token_budget, duration) is spent and no learner is live any more: each heard
     the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
@@ -235,6 +238,8 @@ async def _serve(cfg: SyncConfig, opts: ServerOptions, stop: asyncio.Event | Non
     core = SyncerCore(cfg, token_budget=opts.token_budget, duration=opts.duration, store=store, shard=opts.shard)
     if opts.agreement_buffer_share > 0:
         core.kept_payloads = KeptPayloads(opts.agreement_buffer_share, opts.out)
+    if opts.change_buffer_share > 0:
+        core.change_buffer = opts.change_buffer_share
     resumed = core.restore()
     if resumed:
         log.info("resumed from %s: %d rounds, versions %s", store.folder, core.rounds, [f.version for f in core.fragments])
