@@ -51,7 +51,13 @@ def corpus(plays: int = 4) -> Corpus:
 
 
 class Outcome(NamedTuple):
-    learner: Learner
+    """What the learner did, read before it was let go."""
+
+    leader: bool
+    steps: int
+    pushes: int
+    applied: int
+    tokens: int
     start_position: int
     """Where this learner's data started: the syncer's ledger for a learner rejoining under its id, else 0."""
 
@@ -94,8 +100,14 @@ def main(syncer: str, learner_id: str, *, steps: int = 200, shard: int = 0, num_
             if learner.should_stop:  # diloco: the run's budget is spent
                 break
     learner.finish()  # diloco: push what is left and leave the run
-    accelerator.end_training()  # destroys the process group: left to interpreter exit, gloo can abort the process
-    return Outcome(learner, start)
+    outcome = Outcome(learner.leader, learner.step_count, learner.pushes, learner.applied, learner.tokens, start)
+    # nothing that holds the process group outlives it (DDP's reducer, the learner), and no rank tears it down while
+    # another still uses it: gloo's threads aborted a rank at exit otherwise, rarely
+    del learner, model, optimizer
+    accelerator.free_memory()  # Accelerate's own references to the prepared model and optimizer, then gc
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group
+    return outcome
 
 
 if __name__ == "__main__":
@@ -115,11 +127,10 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     done = main(a.syncer, a.id, steps=a.steps, shard=a.shard, num_shards=a.num_shards, batch_size=a.batch_size,
                 accumulation=a.accumulation, lr=a.lr, token=a.token, cpu=a.cpu)
-    learner = done.learner
-    if learner.leader:
-        print(f"{a.id}: {learner.step_count} steps from data position {done.start_position}, {learner.pushes} pushes, "
-              f"{learner.applied} merged fragments applied")
-    if a.summary and learner.leader:
+    if done.leader:
+        print(f"{a.id}: {done.steps} steps from data position {done.start_position}, {done.pushes} pushes, "
+              f"{done.applied} merged fragments applied")
+    if a.summary and done.leader:
         pathlib.Path(a.summary).write_text(json.dumps({
-            "steps": learner.step_count, "pushes": learner.pushes, "applied": learner.applied,
-            "tokens": learner.tokens, "start_position": done.start_position}))
+            "steps": done.steps, "pushes": done.pushes, "applied": done.applied, "tokens": done.tokens,
+            "start_position": done.start_position}))

@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--change-buffer", type=float, default=0.25, metavar="SHARE",
                    help="bytes of merged-fragment changes the syncer keeps for learners that lag, as a share of the "
                         "model's fp32 size (0.25): beyond it the oldest are dropped, and a learner that misses one "
-                        "is sent full values, so memory does not grow with the learners; 0: no bound")
+                        "is sent full values, so the changes never hold more than this share of memory; 0: no bound")
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
     b.add_argument("--duration", type=float,

@@ -70,7 +70,7 @@ def test_two_accelerate_learners_learn_and_a_killed_one_rejoins_where_its_data_e
 
     # pushes alice made before the kill may still be merged after it: the ledger only moves on
     assert 0 < merged["data_position"] <= again.start_position
-    assert again.learner.step_count == 32 and again.learner.pushes >= 2
+    assert again.steps == 32 and again.pushes >= 2
     learners = {x["id"]: x for x in final["learners"]}
     assert learners["alice"]["merged"] > merged["merged"]  # her pushes after the rejoin were merged
     assert learners["alice"]["data_position"] == again.start_position + 32 * 8  # 8 sequences a step
@@ -118,7 +118,7 @@ def test_an_accelerate_loop_pushes_exactly_what_a_plain_loop_pushes(example, tmp
 
     run = syncer(tmp_path / "accelerate")
     try:
-        ours = example.main(run.address, "solo", steps=steps, batch_size=batch, accumulation=accumulation).learner
+        ours = example.main(run.address, "solo", steps=steps, batch_size=batch, accumulation=accumulation)
     finally:
         run.stop()
 
