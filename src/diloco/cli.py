@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -82,14 +83,10 @@ def cmd_syncer(args) -> int:
         raise UserError("--split-tensors cannot be used with --shard: each shard writes whole tensors to its model "
                         "file, and a split tensor's pieces would lie in several shards; run one syncer, or shard "
                         "without --split-tensors")
-    if not 0 <= args.push_buffer < float("inf"):
-        raise UserError(f"--push-buffer must be a share of the model's size, 0 (no bound) or more, got {args.push_buffer}")
-    if not 0 <= args.agreement_buffer < float("inf"):
-        raise UserError(f"--agreement-buffer must be a share of the model's size, 0 (no bound) or more, got "
-                        f"{args.agreement_buffer}")
-    if not 0 <= args.change_buffer < float("inf"):
-        raise UserError(f"--change-buffer must be a share of the model's size, 0 (no bound) or more, got "
-                        f"{args.change_buffer}")
+    for flag in ("--push-buffer", "--agreement-buffer", "--change-buffer"):
+        share = getattr(args, flag[2:].replace("-", "_"))
+        if not 0 <= share < float("inf"):
+            raise UserError(f"{flag} must be a share of the model's size, 0 (no bound) or more, got {share}")
     if not 0 <= args.trim_above < float("inf"):
         raise UserError(f"--trim-above must be MiB, 0 (never) or more, got {args.trim_above}")
     if not 0 <= args.send_window < float("inf"):
@@ -226,21 +223,17 @@ def cmd_learner(args) -> int:
     if leader:
         transport = (GrpcTransport(args.syncer[0], **options) if len(args.syncer) == 1
                      else ShardedTransport(args.syncer, **options))
+    import torch.distributed as dist
+
     try:
         summary = run_learner(cfg, transport, opts, device=device, process_group=group)
         if group is not None:
-            import gc
-
-            import torch.distributed as dist
-
             # what held the group (model, optimizer, learner) goes while it lives, and no rank tears it down while
             # another still uses it: gloo's threads aborted a rank at exit otherwise, rarely (docs/operations.md)
             gc.collect()
             dist.barrier()
     finally:
         if group is not None:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
     if not leader:
         return 0

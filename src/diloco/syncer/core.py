@@ -41,7 +41,7 @@ from diloco.syncer.buffers import Buffers
 from diloco.syncer.defences import agreement, replayed
 from diloco.syncer.defences.direction_guard import DirectionGuard
 from diloco.syncer.downlink import Publication
-from diloco.syncer.fragment_state import Contribution, FragmentState
+from diloco.syncer.fragment_state import Contribution, FragmentState, fp32_bytes
 from diloco.syncer.kept_payloads import KeptPayloads
 from diloco.syncer.defences.norm_guard import NormGuard
 from diloco.syncer.defences.reference import Counters
@@ -446,7 +446,7 @@ class SyncerCore(Membership, RoundTiming):
         c.direction, c.cosine = direction, cosine
         weight = token_weight(*counted, fs.version - base_version, self.cfg.staleness_decay) * direction
         if encoded is not None:  # in memory up to its budget, beyond it on disk (syncer/kept_payloads.py)
-            encoded = self.kept_payloads.keep(fragment, encoded, 4 * sum(f.fragment.numel for f in self.owned),
+            encoded = self.kept_payloads.keep(fragment, encoded, fp32_bytes(self.owned),
                                               replacing=older.encoded if older is not None else None)
         c.sketch, c.encoded, c.scale, c.weight, c.norms = sketch, encoded, scale, weight, norms
         if self.cfg.merge_at_close:  # folded in from its kept payload when the round closes (rounds.close)

@@ -149,3 +149,8 @@ class FragmentState:
                 else:
                     self.published = self.published.clone()
                 self.loans = 0
+
+
+def fp32_bytes(fragments) -> int:
+    """The fp32 size of `fragments` (FragmentStates): what the syncer's memory budgets are shares of."""
+    return 4 * sum(fs.fragment.numel for fs in fragments)

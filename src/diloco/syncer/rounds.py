@@ -17,6 +17,7 @@ from diloco.algorithm.outer import outer_update
 from diloco.syncer import downlink
 from diloco.syncer.downlink import Publication
 from diloco.syncer.defences import agreement
+from diloco.syncer.fragment_state import fp32_bytes
 from diloco.syncer.defences.norm_guard import MIN_SAMPLES, PRIOR_PER_STEP, fragment_scale
 
 log = logging.getLogger("diloco.syncer")
@@ -240,7 +241,7 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
             held = [v for i in core.live() if (v := core.learners[i].versions.get(index)) is not None]
         downlink.forget_held(fs, held)
         if core.change_buffer is not None:  # after this round's answers took what they need
-            downlink.bound_changes(core.owned, core.change_buffer * 4 * sum(f.fragment.numel for f in core.owned))
+            downlink.bound_changes(core.owned, core.change_buffer * fp32_bytes(core.owned))
     seconds = time.monotonic() - started
     with core.lock:
         downlink.count_full(core.full_answers, out)
