@@ -6,7 +6,7 @@ For each M: a `diloco syncer` process (decoupled defaults), and M `Learner`s in 
 --params values in 24 equal tensors (one per fragment), stepped in turn with a small change per step (a shared
 drift and noise of each learner's own, so that the syncer refuses no push as a replay), then
 finished (every learner flushes what it has left at once, as at the end of a run). A thread reads the syncer's
-/status every 50 ms; reported per M: the syncer's peak RSS (VmHWM) and its parts (`memory` in /status:
+/status every 50 ms; reported per M: the syncer's peak RSS (VmHWM), before the finish and in all, and its parts (`memory` in /status:
 docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in MiB and as multiples of the fp32
 model, the syncer's CPU seconds per push from the learners' join to their finish (what --mmap-threshold costs), and
 what the learners received after their join, with the answers sent as full values (what --change-buffer costs). The learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer
@@ -90,6 +90,7 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str], m
                             p.add_(torch.randn_like(p), alpha=1e-5).add_(1e-4)
                     learner.step(1024)
             phase[0] = "finish"
+            hwm_before_finish = proc_mib(syncer.pid, "VmHWM")
             for learner in running:
                 learner.finish()
             time.sleep(1.0)  # a last sample after the flush
@@ -106,7 +107,8 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str], m
     mib = 2**20
     parts = {k: round(v / mib, 1) for k, v in peak.items() if k not in ("rss", "phase")}
     return {"learners": learners, "model_mib": round(fp32 / mib, 1), "baseline_rss_mib": round(baseline, 1),
-            "peak_rss_mib": round(hwm, 1), "peak_over_model": round(hwm * mib / fp32, 2),
+            "peak_rss_mib": round(hwm, 1), "peak_before_finish_mib": round(hwm_before_finish, 1),
+            "peak_over_model": round(hwm * mib / fp32, 2),
             "peak_above_baseline_over_model": round((hwm - baseline) * mib / fp32, 2),
             "parts_at_peak_mib": parts, "peak_phase": peak.get("phase"), "seconds": round(time.monotonic() - started),
             "mmap_threshold": mmap_threshold, "syncer_cpu_seconds": round(cpu, 2), "pushes": pushes,
@@ -132,7 +134,8 @@ def main() -> int:
         r = results[-1]
         print(f"M = {m:3d}: peak RSS {r['peak_rss_mib']:.0f} MiB = {r['peak_over_model']:.2f}× the model "
               f"({r['model_mib']:.0f} MiB), {r['peak_above_baseline_over_model']:.2f}× above the syncer's idle "
-              f"{r['baseline_rss_mib']:.0f} MiB; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}; "
+              f"{r['baseline_rss_mib']:.0f} MiB, {r['peak_before_finish_mib']:.0f} MiB before the learners "
+              f"finished; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}; "
               f"syncer CPU {r['syncer_cpu_ms_per_push']:.1f} ms a push ({r['pushes']} pushes); learners received "
               f"{r['received_after_join_mib']:.0f} MiB after their join, {r['full_answers']} answers in full values "
               f"({r['full_answers_mib']:.0f} MiB)",

@@ -297,6 +297,34 @@ def test_the_change_buffer_drops_the_oldest_changes_of_the_longest_window_and_a_
     assert [(p.version, p.full) for p in pubs] == [(1, False), (2, False), (3, False)]
 
 
+@pytest.mark.parametrize("publish_to,down_codec", [("contributors", "int8"), ("live", "fp32")])
+def test_a_learners_last_push_of_a_fragment_gets_no_answer_and_keeps_no_change(publish_to, down_codec):
+    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
+             TensorSpec("w2", (128,), "float32")]  # room for a chain of int8 changes within a fragment's fp32 size
+    core, _ = make_core(learners=2, specs=specs, grace=0.0, quorum=1, down_codec=down_codec, publish_to=publish_to)
+    sa, sb = core.join("a", specs), core.join("b", specs)
+    n = core.fragments[1].fragment.numel
+    g = torch.Generator().manual_seed(5)
+
+    def round_of(lid, session, seq, final=False):
+        core.push(lid, session, seq, 1, core.fragments[1].version, 2, 200,
+                  codec.encode(torch.randn(n, generator=g), "fp32"), final=final)
+        return core.poll(force=True)
+
+    receivers = lambda pubs: {p.learner for p in pubs}  # noqa: E731
+    assert receivers(round_of("a", sa, 1)) == ({"a", "b"} if publish_to == "live" else {"a"})
+    # b's training ended: its last push gets no answer (a, live, still gets the result unasked), nor a later result
+    assert receivers(round_of("b", sb, 1, final=True)) == ({"a"} if publish_to == "live" else set())
+    assert receivers(round_of("a", sa, 2)) == {"a"}
+    assert 1 in core.learners["b"].finished and 1 not in core.learners["b"].versions
+    # b, still live, held version 0 (int8 changes): its old version no longer keeps the changes since
+    assert [w for w, _, _ in core.fragments[1].changes] == []
+    assert core.status()["full_answers"]["count"] == (0 if down_codec == "int8" else 4)
+    pubs = round_of("b", sb, 2)  # a push that is not its last after all: the fragment's full values
+    assert [(p.learner, p.full) for p in pubs if p.learner == "b"] == [("b", True)]
+    assert 1 not in core.learners["b"].finished
+
+
 def test_a_chain_link_is_never_applied_as_an_answer():
     from diloco.learner.learner import Learner
     from diloco.inprocess import LocalSyncer, LocalTransport

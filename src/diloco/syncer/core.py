@@ -260,7 +260,7 @@ class SyncerCore(Membership, RoundTiming):
             record.proof, record.revoked = proof, False
             record.start_position = self._start_position(learner_id) if self.cfg.wait_for_merge else None
             self.record_event("join", learner=learner_id)
-            record.versions = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}
+            record.versions, record.finished = {i: fs.version for i, fs in enumerate(self.fragments) if self.owns(i)}, set()
         log.info("learner %s %s", learner_id, how)
         return session
 

@@ -75,6 +75,9 @@ class LearnerRecord:
     versions: dict[int, int] = field(default_factory=dict)
     """Per fragment, the version v of the published values P_v this learner holds: downlink changes start there.
     Not saved: after a restart every learner gets full values once (it may have missed what was being sent)."""
+    finished: set[int] = field(default_factory=set)
+    """Fragments whose last push (`final`: its training ended) was merged: it reads none of their results again, so
+    none is sent and what it held of them keeps no downlink change. Not saved."""
     merged_seq: dict[str, int] = field(default_factory=dict)
     """Highest merged push sequence number per "session:fragment": a re-sent push is merged at most once."""
     credential: str = ""

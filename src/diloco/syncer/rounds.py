@@ -231,10 +231,19 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     core.persist([index])  # durable before it is published
     full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
     answered = current_sessions(core, contributions)
-    out = [pub for c in answered for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
+    for c in answered:  # a learner's last push of the fragment: it leaves without reading the result
+        record = core.learners[c.learner]
+        if c.final:
+            record.finished.add(index)
+            record.versions.pop(index, None)
+        else:
+            record.finished.discard(index)
+    out = [pub for c in answered if not c.final
+           for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
     if core.cfg.publish_to == "live":  # docs/algorithm.md §4: to every live learner, unasked (seq 0) where it
-        # did not push
-        others = sorted(core.live() - {c.learner for c in answered})
+        # did not push and still trains the fragment
+        others = sorted(lid for lid in core.live() - {c.learner for c in answered}
+                        if index not in core.learners[lid].finished)
         out += [pub for lid in others for pub in downlink.publications(core.learners[lid], index, fs, 0, full)]
     if lossy:
         with core.lock:
