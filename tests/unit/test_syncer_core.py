@@ -323,6 +323,9 @@ def test_a_learners_last_push_of_a_fragment_gets_no_answer_and_keeps_no_change(p
     pubs = round_of("b", sb, 2)  # a push that is not its last after all: the fragment's full values
     assert [(p.learner, p.full) for p in pubs if p.learner == "b"] == [("b", True)]
     assert 1 not in core.learners["b"].finished
+    round_of("a", sa, 3, final=True)
+    round_of("b", sb, 3, final=True)  # both live learners finished the fragment: no change is kept for anyone
+    assert [w for w, _, _ in core.fragments[1].changes] == []
 
 
 def test_a_chain_link_is_never_applied_as_an_answer():

@@ -246,8 +246,9 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                         if index not in core.learners[lid].finished)
         out += [pub for lid in others for pub in downlink.publications(core.learners[lid], index, fs, 0, full)]
     if lossy:
-        with core.lock:
-            held = [v for i in core.live() if (v := core.learners[i].versions.get(index)) is not None]
+        with core.lock:  # a learner that finished the fragment needs none of its changes: as if it held the latest
+            held = [v for i in core.live() if (v := fs.version if index in (r := core.learners[i]).finished
+                                               else r.versions.get(index)) is not None]
         downlink.forget_held(fs, held)
         if core.change_buffer is not None:  # after this round's answers took what they need
             downlink.bound_changes(core.owned, core.change_buffer * fp32_bytes(core.owned))
