@@ -102,6 +102,23 @@ def checksum(fs) -> int:
     return fs.checksum[1]
 
 
+def finished(record: LearnerRecord, index: int, final: bool) -> None:
+    """Record whether `record`'s learner made its last push of fragment `index` (`final`: its training ended): it
+    leaves without reading the fragment's results, so none is sent to it and what it held keeps no change alive
+    (`held`). A later push that is not its last takes it back, and full values, since what it holds is unknown."""
+    if final:
+        record.finished.add(index)
+        record.versions.pop(index, None)
+    else:
+        record.finished.discard(index)
+
+
+def held(record: LearnerRecord, index: int, fs) -> int | None:
+    """The version of fragment `index` whose later changes `record`'s learner may still need: the one it holds, or
+    the latest when it has finished the fragment; None when unknown."""
+    return fs.version if index in record.finished else record.versions.get(index)
+
+
 def publications(record: LearnerRecord, index: int, fs, seq: int, full: list[codec.Encoded]) -> list[Publication]:
     """What takes `record`'s learner from the version it holds to P_v: the changes it misses, in order, when they
     are all still kept (only the last answers `seq`), else full values (encoded once into `full`)."""

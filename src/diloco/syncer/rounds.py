@@ -231,13 +231,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     core.persist([index])  # durable before it is published
     full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
     answered = current_sessions(core, contributions)
-    for c in answered:  # a learner's last push of the fragment: it leaves without reading the result
-        record = core.learners[c.learner]
-        if c.final:
-            record.finished.add(index)
-            record.versions.pop(index, None)
-        else:
-            record.finished.discard(index)
+    for c in answered:
+        downlink.finished(core.learners[c.learner], index, c.final)
     out = [pub for c in answered if not c.final
            for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
     if core.cfg.publish_to == "live":  # docs/algorithm.md §4: to every live learner, unasked (seq 0) where it
@@ -246,9 +241,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
                         if index not in core.learners[lid].finished)
         out += [pub for lid in others for pub in downlink.publications(core.learners[lid], index, fs, 0, full)]
     if lossy:
-        with core.lock:  # a learner that finished the fragment needs none of its changes: as if it held the latest
-            held = [v for i in core.live() if (v := fs.version if index in (r := core.learners[i]).finished
-                                               else r.versions.get(index)) is not None]
+        with core.lock:
+            held = [v for i in core.live() if (v := downlink.held(core.learners[i], index, fs)) is not None]
         downlink.forget_held(fs, held)
         if core.change_buffer is not None:  # after this round's answers took what they need
             downlink.bound_changes(core.owned, core.change_buffer * fp32_bytes(core.owned))
