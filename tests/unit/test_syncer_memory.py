@@ -140,7 +140,7 @@ def test_the_agreement_test_keeps_a_payload_and_a_sketch_per_contribution_of_an_
     # each learner here pushes one int4 payload to all P fragments: one payload per learner, and its sketch in each
     # fragment's open round and among the fragment's peers (the last rounds' latest per credential)
     payload = len(codec.encode(torch.zeros(NUMEL), "int4").data)  # an eighth of the fragment, and its scales
-    sketches = 2 * P * agreement.SKETCH * 4
+    sketches = 2 * P * agreement.SKETCH  # int8
     off, on = peak_bytes(16, agreement_floor=0.0), peak_bytes(16)
     assert 16 * payload <= on - off <= 16 * (payload + sketches) + FRAGMENT_BYTES, (on - off) / (16 * payload)
 

@@ -9,7 +9,10 @@ even on fragments whose consecutive merged steps alternate in sign, where every 
 
 - **Sketch**: at arrival each contribution's Δ is summed into SKETCH values, row by row of a SKETCH-wide view with a
   fixed random sign per row (a count sketch whose buckets are the columns): inner products of sketches estimate
-  those of the Δs within about 1/√SKETCH of their norms' product, and a round holds SKETCH floats per contribution.
+  those of the Δs within about 1/√SKETCH of their norms' product. Only cosines are asked of a sketch, so it is kept
+  as its direction in int8 (SKETCH bytes, its largest value ±127): a round holds one per contribution and the
+  fragment one per credential of its last rounds, which is what the test costs per learner (4 KiB a fragment
+  each, against 16 KiB in fp32); rounding moves a cosine by about 1e-4, against the sketch's own 1/64.
 - **Score**: cosine of its sketch with each contribution of another credential in the round, and with the latest
   contribution of each other credential in the fragment's last PEER_ROUNDS rounds (a round that closed on its
   first contribution has others too); the score is the ⌈n/2⌉-th largest of those n cosines, one per credential:
@@ -53,7 +56,8 @@ def _signs(rows: int) -> torch.Tensor:
 
 
 def sketch(delta: torch.Tensor) -> torch.Tensor:
-    """A SKETCH-value summary of `delta` (fp32, flat) whose inner products estimate `delta`'s."""
+    """A SKETCH-value summary of `delta` (fp32, flat) whose cosines estimate `delta`'s: int8, its largest value
+    ±127 (all zeros for a Δ of zeros, or one that is not finite: it agrees with nothing)."""
     n = delta.numel()
     rows, tail = divmod(n, SKETCH)
     out = torch.zeros(SKETCH)
@@ -61,7 +65,17 @@ def sketch(delta: torch.Tensor) -> torch.Tensor:
         out.add_(_signs(rows + 1)[:rows] @ delta[: rows * SKETCH].view(rows, SKETCH))
     if tail:
         out[:tail].add_(delta[rows * SKETCH :], alpha=_signs(rows + 1)[rows].item())
-    return out
+    peak = out.abs().max().item()
+    if not 0 < peak < math.inf:
+        return torch.zeros(SKETCH, dtype=torch.int8)
+    return out.mul_(127 / peak).round_().to(torch.int8)
+
+
+def cosines(sketches: list[torch.Tensor]) -> torch.Tensor:
+    """Every pair's cosine, from sketches none of which is all zeros."""
+    stacked = torch.stack(sketches).float()
+    units = stacked / torch.linalg.vector_norm(stacked, dim=1, keepdim=True)
+    return units @ units.T
 
 
 def judge(credentials: list[str], sketches: list[torch.Tensor | None], floor: float,
@@ -72,15 +86,13 @@ def judge(credentials: list[str], sketches: list[torch.Tensor | None], floor: fl
     cosines."""
     judged = len(credentials) if judged is None else judged
     verdicts: list[tuple[float, float | None]] = [(1.0, None)] * judged
-    present = [i for i in range(len(credentials)) if sketches[i] is not None and sketches[i].norm() > 0]
+    present = [i for i in range(len(credentials)) if sketches[i] is not None and bool(sketches[i].any())]
     if len({credentials[i] for i in present}) < MIN_CREDENTIALS:
         return verdicts
-    stacked = torch.stack([sketches[i] for i in present])
-    units = stacked / torch.linalg.vector_norm(stacked, dim=1, keepdim=True)
-    cosines = (units @ units.T).tolist()
+    cosine = cosines([sketches[i] for i in present]).tolist()
     scores: dict[int, float] = {}
     for a, i in enumerate(present):
-        others = sorted(_voices(credentials[i], ((credentials[j], cosines[a][b]) for b, j in enumerate(present))),
+        others = sorted(_voices(credentials[i], ((credentials[j], cosine[a][b]) for b, j in enumerate(present))),
                         reverse=True)
         scores[i] = others[math.ceil(len(others) / 2) - 1]
     for i, score in scores.items():
