@@ -19,9 +19,8 @@ ARENAS = 2
 M_ARENA_MAX = -8  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MAP_ABOVE = (2 << 20) + (64 << 10)
-"""Allocations of this size or more get pages of their own, returned to the system when freed: just above a gRPC
-message chunk (2 MiB of payload and its framing, `wire.messages.CHUNK_BYTES`), which recur and stay on the heap.
-At 4 MiB, a 17M model's 2.7 MB fragments stayed on the heap, and what they freed made the syncer's peak grow by
+"""Allocations of this size or more get pages of their own, returned to the system when freed; gRPC's message chunks
+(`wire.messages.CHUNK_BYTES`, 512 KiB) recur and stay on the heap below it, where mapping each would cost CPU. At 4 MiB, a 17M model's 2.7 MB fragments stayed on the heap, and what they freed made the syncer's peak grow by
 2.0–3.7× the model for six more learners; at this size by 1.0–1.1×, for 0–12% more CPU per push (benchmarks/LOG.md,
 "Blocks above a gRPC chunk mapped on their own")."""
 
@@ -61,7 +60,7 @@ def map_large(threshold: int = MAP_ABOVE) -> bool:
     mapped block freed (up to 32 MiB), after which fragment-sized payloads and temporaries came from the heap and
     what they freed stayed there: a 64-learner load's syncer kept 2.7 GiB free and resident at its peak
     (benchmarks/LOG.md, "The syncer under a load shaped like a real run"). Fragment-sized buffers that recur are
-    reused on purpose (syncer/buffers.py), so few mappings are made anew; 2 MiB chunks stay on the heap."""
+    reused on purpose (syncer/buffers.py), so few mappings are made anew; message chunks stay on the heap."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:

@@ -31,7 +31,7 @@ from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, 
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import shown
-from diloco.wire.messages import CHUNK_BYTES, GRPC_OPTIONS, Assembler, blobs, push_chunks, specs_to_proto, wire_size
+from diloco.wire.messages import CHUNK_BYTES, GRPC_OPTIONS, REPORT_BYTES, Assembler, blobs, push_chunks, specs_to_proto, wire_size
 from diloco.wire.tls import channel_credentials, tls_problem
 
 log = logging.getLogger("diloco.learner")
@@ -368,7 +368,7 @@ class GrpcTransport(HeartbeatNews):
                 for blob in self._subscription:
                     self.bytes_received += wire_size(blob)
                     self._received_data += len(blob.data)
-                    if self._received_data - self._reported_data >= CHUNK_BYTES:
+                    if self._received_data - self._reported_data >= REPORT_BYTES:
                         self._report_due.set()
                     done = assembler.add(blob)
                     if done is not None and self._inflight.get(done.fragment) is not None \

@@ -23,7 +23,7 @@ class Stalled(Exception):
 
 
 class Progress:
-    """How far one transfer got and when it last moved, in whole gRPC messages (2 MiB chunks at most)."""
+    """How far one transfer got and when it last moved, in whole gRPC messages (512 KiB chunks at most)."""
 
     def __init__(self, stall: float, total: int = 0):
         self.stall = stall
