@@ -328,6 +328,38 @@ def test_a_learners_last_push_of_a_fragment_gets_no_answer_and_keeps_no_change(p
     assert [w for w, _, _ in core.fragments[1].changes] == []
 
 
+@pytest.mark.parametrize("publish_to,down_codec", [("contributors", "int8"), ("live", "fp32")])
+def test_a_learners_last_push_ends_every_fragment_it_has_no_push_waiting_in(publish_to, down_codec):
+    # its training ended: it reads no result of any fragment again, so the other fragments' changes are not kept
+    # for the version it held while the others flush, and none is published to it; a push still waiting is answered
+    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
+             TensorSpec("w2", (128,), "float32")]
+    core, _ = make_core(learners=3, specs=specs, grace=0.0, quorum=1, down_codec=down_codec, publish_to=publish_to)
+    sa, sb, sc = core.join("a", specs), core.join("b", specs), core.join("c", specs)
+    g = torch.Generator().manual_seed(7)
+
+    def push_to(lid, session, seq, index, final=False):
+        fs = core.fragments[index]
+        core.push(lid, session, seq, index, fs.version, 2, 200,
+                  codec.encode(torch.randn(fs.fragment.numel, generator=g), "fp32"), final=final)
+
+    push_to("a", sa, 1, 1, final=True)  # a's last push: its training ended
+    core.poll(force=True)
+    assert core.learners["a"].finished == {0, 1, 2} and core.learners["a"].versions == {}
+    push_to("c", sc, 1, 2)  # c's push of fragment 2 waits for an answer when its last push of fragment 0 is merged
+    push_to("c", sc, 2, 0, final=True)
+    pubs = core.poll(force=True)  # rounds close in fragment order: 0, then 2
+    assert core.learners["c"].finished == {0, 1}
+    # answered from what it held (a change, where changes go down)
+    assert [(p.learner, p.full) for p in pubs if p.fragment == 2 and p.learner == "c"] == [("c", down_codec == "fp32")]
+    push_to("b", sb, 1, 1)
+    pubs = core.poll(force=True)
+    # b, the one learner still training fragment 1, takes its result: a and c held old versions of it, which keep
+    # no change alive, and get none
+    assert {p.learner for p in pubs} == {"b"}
+    assert [w for w, _, _ in core.fragments[1].changes] == []
+
+
 def test_a_chain_link_is_never_applied_as_an_answer():
     from diloco.learner.learner import Learner
     from diloco.inprocess import LocalSyncer, LocalTransport
