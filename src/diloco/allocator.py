@@ -20,9 +20,10 @@ M_ARENA_MAX = -8  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MAP_ABOVE = (2 << 20) + (64 << 10)
 """Allocations of this size or more get pages of their own, returned to the system when freed; gRPC's message chunks
-(`wire.messages.CHUNK_BYTES`, 512 KiB) recur and stay on the heap below it, where mapping each would cost CPU. At 4 MiB, a 17M model's 2.7 MB fragments stayed on the heap, and what they freed made the syncer's peak grow by
-2.0–3.7× the model for six more learners; at this size by 1.0–1.1×, for 0–12% more CPU per push (benchmarks/LOG.md,
-"Blocks above a gRPC chunk mapped on their own")."""
+(`wire.messages.CHUNK_BYTES`, 512 KiB) recur and stay on the heap below it, where mapping each would cost CPU. At
+4 MiB, a 17M model's 2.7 MB fragments stayed on the heap, and what they freed made the syncer's peak grow by 2.0–3.7×
+the model for six more learners; at this size by 1.0–1.1×, for 0–12% more CPU per push (benchmarks/LOG.md, "Blocks
+above a gRPC chunk mapped on their own")."""
 
 
 class _MallInfo2(ctypes.Structure):

@@ -31,7 +31,8 @@ from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, 
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
 from diloco.wire.bounds import shown
-from diloco.wire.messages import CHUNK_BYTES, GRPC_OPTIONS, REPORT_BYTES, Assembler, blobs, push_chunks, specs_to_proto, wire_size
+from diloco.wire.messages import (CHUNK_BYTES, GRPC_OPTIONS, REPORT_BYTES, Assembler, blobs, push_chunks,
+                                   specs_to_proto, wire_size)
 from diloco.wire.tls import channel_credentials, tls_problem
 
 log = logging.getLogger("diloco.learner")

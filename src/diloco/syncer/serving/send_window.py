@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 
 DEFAULT_BYTES = 8 << 20
-"""The window: sixteen 512 KiB chunks (`wire.messages.CHUNK_BYTES`). A learner acknowledging within t seconds receives up to 8 MiB / t (80 MiB/s at
-0.1 s, its fastest acknowledgements); the syncer holds at most this much of unsent answers per learner."""
+"""The window: sixteen 512 KiB chunks (`wire.messages.CHUNK_BYTES`). A learner acknowledging within t seconds
+receives up to 8 MiB / t (80 MiB/s at 0.1 s, its fastest acknowledgements); the syncer holds at most this much of
+unsent answers per learner."""
 
 
 class SendWindow:
