@@ -3,15 +3,15 @@
     python -m benchmarks.syncer.memory_learners --learners 2 8 --steps 200 --json runs/syncer-memory-learners.json
 
 For each M: a `diloco syncer` process (decoupled defaults), and M `Learner`s in this process on one model of
---params values in 24 equal tensors (one per fragment), stepped in turn with a small change per step (a shared
-drift and noise of each learner's own, so that the syncer refuses no push as a replay), then
-finished (every learner flushes what it has left at once, as at the end of a run). A thread reads the syncer's
-/status every 50 ms; reported per M: the syncer's peak RSS (VmHWM), before the finish and in all, and its parts
-(`memory` in /status: docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in MiB and as multiples of the fp32
+--params values in 24 equal tensors (one per fragment), stepped in turn with a small change per step (a shared drift
+and noise of each learner's own, so that the syncer refuses no push as a replay), then finished (every learner
+flushes what it has left at once, as at the end of a run). A thread reads the syncer's /status every 50 ms; reported
+per M: the syncer's peak RSS (VmHWM), before the finish and in all, and its parts (`memory` in /status:
+docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in MiB and as multiples of the fp32
 model, the syncer's CPU seconds per push from the learners' join to their finish (what --mmap-threshold costs), and
-what the learners received after their join, with the answers sent as full values (what --change-buffer costs). The learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer
-is what this measures.
-"""
+what the learners received after their join, with the answers sent as full values (what --change-buffer costs). The
+learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer is what this
+measures."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from diloco.wire.compression import pack, unpack
 CHUNK_BYTES = 512 << 10
 """Payload bytes per gRPC message. Each update stream holds its chunk (its own header, then the shared data field)
 while gRPC writes it, and each push a few copies while it is read: per learner, memory of this size. With 2 MiB
-chunks a 124M model's syncer peaked at 2.96× the model with 64 learners; with 512 KiB at 2.33×, as with 16 learners,
-for about a tenth more CPU (benchmarks/LOG.md, "Update chunks of 512 KiB"). Either end takes chunks of any size up
-to MAX_MESSAGE_BYTES."""
+chunks a 124M model's syncer peaked at 2.96× the model with 64 learners and 3.53× with 128; with 512 KiB at 2.43× and
+2.61×, its CPU and a model's transfer time unchanged (benchmarks/LOG.md, "Update chunks of 512 KiB"). Either end
+takes chunks of any size up to MAX_MESSAGE_BYTES."""
 REPORT_BYTES = 2 << 20
 """A learner reports what its update stream received early (a heartbeat before its time) once this much more came
 in: the syncer's send window moves on, at a heartbeat per 2 MiB however small the chunks."""
