@@ -26,7 +26,7 @@ from diloco.ids import InvalidLearnerId, check_learner_id
 from diloco.config import SyncConfig
 from diloco.algorithm.fragments import TensorSpec
 from diloco.learner import heap
-from diloco.learner.transfer_progress import Progress, Stalled, megabytes
+from diloco.learner.transfer_progress import Furthest, Progress, Stalled, megabytes
 from diloco.learner.transport import Arrival, HeartbeatNews, JoinInfo, PushJob, Receiver, SyncerError
 from diloco.wire import diloco_pb2 as pb
 from diloco.wire import diloco_pb2_grpc as pb_grpc
@@ -136,6 +136,7 @@ class GrpcTransport(HeartbeatNews):
         started = time.monotonic()
         deadline, delay, attempts = started + self.connect_timeout, 0.2, 0
         self._answered = False
+        upload = Furthest(self.stall_timeout)
         while True:
             attempts += 1
             try:
@@ -160,7 +161,7 @@ class GrpcTransport(HeartbeatNews):
                     break
                 if reply.need_init:
                     split = SyncConfig.from_json(reply.config_json).split_tensors if reply.config_json else False
-                    self._initialise(request, initial(reply.fragments, split))
+                    self._initialise(request, initial(reply.fragments, split), upload)
                     continue  # join again, now to receive the model
                 # another learner uploads the initial model: the syncer answers, so this wait is not a timeout
                 deadline = time.monotonic() + self.connect_timeout
@@ -261,8 +262,9 @@ class GrpcTransport(HeartbeatNews):
             progress.moved(payload_bytes(message))
             yield message
 
-    def _initialise(self, request: pb.JoinRequest, flats) -> None:
-        """Upload this learner's parameters as the initial global model (the syncer gave us the lease)."""
+    def _initialise(self, request: pb.JoinRequest, flats, upload: Furthest) -> None:
+        """Upload this learner's parameters as the initial global model (the syncer gave us the lease). A broken
+        connection starts it over after joining again, unless no attempt got further for stall_timeout: `upload`."""
         kept = {i for i in range(len(flats)) if self.keeps_initial(i)}
 
         def chunks():  # lazily: one fragment's encoding at a time, never a second copy of the whole model
@@ -282,8 +284,18 @@ class GrpcTransport(HeartbeatNews):
             raise SyncerError(f"init stalled: nothing moved to or from the syncer at {self.address} for "
                               f"{self.stall_timeout:.0f} s after {progress.describe()} of the initial model; {SLOW}") from None
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.ABORTED or e.code() in RETRYABLE:  # lease passed on, or the link broke
-                log.info("upload of the initial model ended (%s: %s); joining again", e.code().name, e.details())
+            if e.code() == grpc.StatusCode.ABORTED:  # the lease passed on
+                log.info("upload of the initial model ended (%s); joining again", e.details())
+                return
+            if e.code() in RETRYABLE:
+                if upload.broke(progress):
+                    raise SyncerError(
+                        f"init stalled: the upload of the initial model to the syncer at {self.address} got no further "
+                        f"than {megabytes(upload.done, progress.total)} in {self.stall_timeout:.0f} s; its connection "
+                        f"broke {upload.breaks} times ({e.code().name}: {e.details()}) and it started over each time; "
+                        f"{SLOW}") from None
+                log.warning("the upload of the initial model broke after %s (%s: %s); joining again to start over",
+                            progress.describe(), e.code().name, e.details())
                 return
             raise SyncerError(f"syncer at {self.address} refused the initial model from learner "
                               f"{shown(request.learner_id)}: {e.details()}") from None

@@ -65,3 +65,22 @@ class Progress:
             raise
         finally:
             finished.set()
+
+
+class Furthest:
+    """The furthest that attempts of a transfer which starts over after a broken connection got (the initial upload),
+    and when one last got further: attempts that break again and again at the same point stall it as a whole."""
+
+    def __init__(self, stall: float):
+        self.stall = stall
+        self.done = 0
+        self.since = time.monotonic()
+        self.breaks = 0
+
+    def broke(self, attempt: Progress) -> bool:
+        """Counts an attempt its connection ended; whether nothing got further than before for `stall` seconds."""
+        self.breaks += 1
+        if attempt.done > self.done:
+            self.done, self.since = attempt.done, attempt.last
+        return time.monotonic() - self.since > self.stall
+
