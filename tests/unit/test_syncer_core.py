@@ -360,6 +360,30 @@ def test_a_learners_last_push_ends_every_fragment_it_has_no_push_waiting_in(publ
     assert [w for w, _, _ in core.fragments[1].changes] == []
 
 
+def test_a_learners_last_push_ends_every_fragment_when_it_arrives_not_when_its_round_closes():
+    # its training ended: while its own last rounds wait for a quorum, the rounds the others close keep no change
+    # for the versions it held, and none of them is published to it
+    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
+             TensorSpec("w2", (128,), "float32")]
+    core, _ = make_core(learners=3, specs=specs, grace=0.0, quorum=2, down_codec="int8")
+    sa, sb, sc = core.join("a", specs), core.join("b", specs), core.join("c", specs)
+    g = torch.Generator().manual_seed(3)
+
+    def push_to(lid, session, seq, index, final=False):
+        fs = core.fragments[index]
+        core.push(lid, session, seq, index, fs.version, 2, 200,
+                  codec.encode(torch.randn(fs.fragment.numel, generator=g), "fp32"), final=final)
+
+    push_to("a", sa, 1, 1, final=True)
+    assert core.learners["a"].finished == {0, 1, 2} and core.learners["a"].versions == {}
+    assert core.poll() == [] and "a" in core.fragments[1].pending  # a quorum of 2: its round stays open
+    push_to("b", sb, 1, 0)
+    push_to("c", sc, 1, 0)
+    pubs = core.poll()
+    assert core.fragments[0].version == 1 and "a" not in {p.learner for p in pubs}
+    assert [w for w, _, _ in core.fragments[0].changes] == []  # b and c hold version 1; a reads nothing more
+
+
 def test_a_chain_link_is_never_applied_as_an_answer():
     from diloco.learner.learner import Learner
     from diloco.inprocess import LocalSyncer, LocalTransport

@@ -469,6 +469,9 @@ class SyncerCore(Membership, RoundTiming):
     def _pending(self, fragment: int, fs: FragmentState, c: Contribution, arrived: float) -> None:
         """`c` joins the open round of `fragment` (under the lock)."""
         fs.pending[c.learner] = c
+        if c.final:  # its training ended: from now on it reads no result, however long its own rounds stay open
+            downlink.finished(self.learners[c.learner], fragment, True, (
+                j for j, other in enumerate(self.fragments) if self.owns(j) and c.learner not in other.pending))
         if fs.opened_at is None:
             fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
         if fs.quorum_at is None:  # reached when the push that makes it arrives, however late the next poll
