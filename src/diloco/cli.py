@@ -370,8 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow --token to travel in plaintext to a syncer beyond loopback, without TLS (warns)")
     n.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to keep retrying an unreachable syncer")
     n.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
-                   help="abort a transfer (join, initial upload, push) when no bytes moved for this long (60); "
-                        "transfers have no fixed deadline, so big models on slow links get through")
+                   help="abort a transfer (join, initial upload, push) when no bytes moved for this long (60), or "
+                        "a join or upload that broken connections start over when no attempt got further; transfers "
+                        "have no fixed deadline, so big models on slow links get through")
     b = p.add_argument_group("budget (default: until the syncer says the run is over)")
     b.add_argument("--max-steps", type=int, help="stop after this many steps")
     d = p.add_argument_group("data shard, speed and device")

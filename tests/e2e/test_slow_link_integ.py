@@ -2,6 +2,7 @@
 slow; finish delivers every push or says which were not delivered."""
 
 import contextlib
+import threading
 import time
 
 import grpc
@@ -123,6 +124,42 @@ def test_an_upload_that_a_flaky_link_breaks_every_time_ends_saying_so_instead_of
                                   f"got no further than "), message
         assert " of 26.2 MB in 3 s; its connection broke " in message and "started over each time" in message
         assert proxy.proxy.drops >= 2
+
+
+def test_a_join_whose_download_breaks_part_way_starts_over_after_its_connect_timeout_has_passed():
+    # 26 MB at 2 MB/s takes 13 s, far past the 2 s connect timeout: a break part-way is no reason to give up
+    with syncer_and_proxy(bandwidth_bps=2e6) as (syncer, proxy):
+        first = Learner(big(), GrpcTransport(syncer.address), "first")  # initialises the syncer, at loopback speed
+        size = model_bytes(first.model)
+
+        def drop_once():
+            wait_for(lambda: proxy.bytes_down > size / 3, timeout=120)
+            proxy.drop_connections()
+
+        dropper = threading.Thread(target=drop_once, daemon=True)
+        dropper.start()
+        model = big(seed=1)
+        second = Learner(model, GrpcTransport(proxy.address, connect_timeout=2.0, stall_timeout=10.0), "second")
+        dropper.join()
+        assert proxy.proxy.drops == 1 and proxy.bytes_down > size * 4 / 3
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), first.model.parameters()))
+        second.close()
+        first.close()
+
+
+def test_a_join_that_a_flaky_link_breaks_every_time_ends_saying_so():
+    with syncer_and_proxy(bandwidth_bps=1e6) as (syncer, proxy):
+        first = Learner(big(), GrpcTransport(syncer.address), "first")
+        proxy.set_faults(LinkFaults(bandwidth_bps=1e6, drop_every_seconds=2.0))
+        started = time.monotonic()
+        with pytest.raises(SyncerError) as e:
+            Learner(big(seed=1), GrpcTransport(proxy.address, stall_timeout=3.0), "second")
+        assert time.monotonic() - started < 60
+        message = str(e.value)
+        assert message.startswith(f"join stalled: the download of the model from the syncer at {proxy.address} got "
+                                  f"no further than "), message
+        assert " of 26.2 MB in 3 s; its connection broke " in message and "started over each time" in message
+        first.close()
 
 
 def joined_small(proxy, **transport):

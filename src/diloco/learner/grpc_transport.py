@@ -71,8 +71,10 @@ class GrpcTransport(HeartbeatNews):
                  tls: bool = False, tls_ca=None, tls_cert=None, tls_key=None, stall_timeout: float = 60.0,
                  session: str = ""):
         """`connect_timeout`: how long to keep trying to reach the syncer on join (waiting while another learner
-        uploads the initial model does not count, as long as the syncer answers). `stall_timeout`: a join, upload or
-        push is given up only after nothing moved for this long — there is no limit on a transfer's total time.
+        uploads the initial model does not count, as long as the syncer answers; a download that broke part-way starts
+        it again). `stall_timeout`: a join, upload or push is given up only after nothing moved for this long — there
+        is no limit on a transfer's total time; a join or upload that broken connections start over is given up once
+        no attempt got further for this long.
         `rpc_timeout`: deadline of the small calls at shutdown (the last heartbeat, Leave).
         `tls` (or any tls_* file) connects with TLS, trusting `tls_ca` or the system's roots; `tls_cert` and
         `tls_key` present a client certificate to a syncer that requires one. `session`: the session secret of
@@ -99,6 +101,8 @@ class GrpcTransport(HeartbeatNews):
         self._tickets = itertools.count()
         self._undelivered: dict[int, PushJob] = {}
         """Pushes queued or being sent, by ticket: removed once the syncer answered (accepted, refused, duplicate)."""
+        self._join_attempt = Progress(stall_timeout)
+        """How far the latest join's download got."""
         self._push_progress: Progress | None = None
         """The push being sent now."""
         self._answered_at = time.monotonic()
@@ -136,7 +140,7 @@ class GrpcTransport(HeartbeatNews):
         started = time.monotonic()
         deadline, delay, attempts = started + self.connect_timeout, 0.2, 0
         self._answered = False
-        upload = Furthest(self.stall_timeout)
+        upload, download = Furthest(self.stall_timeout), Furthest(self.stall_timeout)
         while True:
             attempts += 1
             try:
@@ -150,6 +154,16 @@ class GrpcTransport(HeartbeatNews):
                     raise SyncerError(f"syncer at {self.address} refused learner {shown(learner_id)}: {e.details()}") from None
                 elif self.tls and code == grpc.StatusCode.UNAVAILABLE and tls_problem(e.details(), self.address):
                     raise SyncerError(tls_problem(e.details(), self.address)) from None  # retrying cannot fix it
+                elif self._join_attempt.done:  # the model's download broke part-way: start over while it gets further
+                    if download.broke(self._join_attempt):
+                        raise SyncerError(
+                            f"join stalled: the download of the model from the syncer at {self.address} got no further "
+                            f"than {megabytes(download.done, self._join_attempt.total)} in {self.stall_timeout:.0f} s; "
+                            f"its connection broke {download.breaks} times ({code.name}: {e.details()}) and it started "
+                            f"over each time; {SLOW}") from None
+                    log.warning("the join's download of the model broke after %s (%s: %s); joining again to start over",
+                                self._join_attempt.describe(), code.name, e.details())
+                    deadline = time.monotonic() + self.connect_timeout  # for reaching the syncer again
                 elif time.monotonic() + delay > deadline:
                     raise self._join_failed(e, attempts, time.monotonic() - started) from None
                 else:  # unreachable, or ALREADY_EXISTS: the old session under this id may be ending (a crash)
@@ -206,7 +220,7 @@ class GrpcTransport(HeartbeatNews):
         """One Join from scratch: the model (JoinInfo), or the header alone when the syncer has no model yet. The
         fragments the syncer marks as held are taken from `initial`, our own values, which our digests described."""
         self.bytes_sent += wire_size(request)
-        progress = Progress(self.stall_timeout)
+        progress = self._join_attempt = Progress(self.stall_timeout)
         header, assembler, fragments = None, Assembler(self._max_payload), []
         call = self.stub.Join(request)  # no deadline: the watchdog ends it only if it stalls
         try:

@@ -68,7 +68,7 @@ class Progress:
 
 
 class Furthest:
-    """The furthest that attempts of a transfer which starts over after a broken connection got (the initial upload),
+    """The furthest that attempts of a transfer which starts over after a broken connection got (a join, the upload),
     and when one last got further: attempts that break again and again at the same point stall it as a whole."""
 
     def __init__(self, stall: float):
