@@ -83,4 +83,3 @@ class Furthest:
         if attempt.done > self.done:
             self.done, self.since = attempt.done, attempt.last
         return time.monotonic() - self.since > self.stall
-
