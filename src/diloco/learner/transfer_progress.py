@@ -71,10 +71,10 @@ class Furthest:
     """The furthest that attempts of a transfer which starts over after a broken connection got (a join, the upload),
     and when one last got further: attempts that break again and again at the same point stall it as a whole."""
 
-    def __init__(self, stall: float):
-        self.stall = stall
+    def __init__(self, stall: float, clock=time.monotonic):
+        self.stall, self.clock = stall, clock
         self.done = 0
-        self.since = time.monotonic()
+        self.since = clock()
         self.breaks = 0
 
     def broke(self, attempt: Progress) -> bool:
@@ -82,4 +82,4 @@ class Furthest:
         self.breaks += 1
         if attempt.done > self.done:
             self.done, self.since = attempt.done, attempt.last
-        return time.monotonic() - self.since > self.stall
+        return self.clock() - self.since > self.stall
