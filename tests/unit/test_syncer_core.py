@@ -328,20 +328,30 @@ def test_a_learners_last_push_of_a_fragment_gets_no_answer_and_keeps_no_change(p
     assert [w for w, _, _ in core.fragments[1].changes] == []
 
 
-@pytest.mark.parametrize("publish_to,down_codec", [("contributors", "int8"), ("live", "fp32")])
-def test_a_learners_last_push_ends_every_fragment_it_has_no_push_waiting_in(publish_to, down_codec):
-    # its training ended: it reads no result of any fragment again, so the other fragments' changes are not kept
-    # for the version it held while the others flush, and none is published to it; a push still waiting is answered
-    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
-             TensorSpec("w2", (128,), "float32")]
-    core, _ = make_core(learners=3, specs=specs, grace=0.0, quorum=1, down_codec=down_codec, publish_to=publish_to)
-    sa, sb, sc = core.join("a", specs), core.join("b", specs), core.join("c", specs)
-    g = torch.Generator().manual_seed(7)
+THREE = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
+         TensorSpec("w2", (128,), "float32")]
+"""Three tensors, a fragment each."""
+
+
+def random_pushes(core, seed):
+    """push_to(learner, session, seq, fragment, final=False): a random Δ of 2 steps and 200 tokens on the current
+    version."""
+    g = torch.Generator().manual_seed(seed)
 
     def push_to(lid, session, seq, index, final=False):
         fs = core.fragments[index]
         core.push(lid, session, seq, index, fs.version, 2, 200,
                   codec.encode(torch.randn(fs.fragment.numel, generator=g), "fp32"), final=final)
+    return push_to
+
+
+@pytest.mark.parametrize("publish_to,down_codec", [("contributors", "int8"), ("live", "fp32")])
+def test_a_learners_last_push_ends_every_fragment_it_has_no_push_waiting_in(publish_to, down_codec):
+    # its training ended: it reads no result of any fragment again, so the other fragments' changes are not kept
+    # for the version it held while the others flush, and none is published to it; a push still waiting is answered
+    core, _ = make_core(learners=3, specs=THREE, grace=0.0, quorum=1, down_codec=down_codec, publish_to=publish_to)
+    sa, sb, sc = (core.join(lid, THREE) for lid in "abc")
+    push_to = random_pushes(core, seed=7)
 
     push_to("a", sa, 1, 1, final=True)  # a's last push: its training ended
     core.poll(force=True)
@@ -363,16 +373,9 @@ def test_a_learners_last_push_ends_every_fragment_it_has_no_push_waiting_in(publ
 def test_a_learners_last_push_ends_every_fragment_when_it_arrives_not_when_its_round_closes():
     # its training ended: while its own last rounds wait for a quorum, the rounds the others close keep no change
     # for the versions it held, and none of them is published to it
-    specs = [TensorSpec("emb", (64, 4), "float32", True), TensorSpec("w1", (64, 10), "float32"),
-             TensorSpec("w2", (128,), "float32")]
-    core, _ = make_core(learners=3, specs=specs, grace=0.0, quorum=2, down_codec="int8")
-    sa, sb, sc = core.join("a", specs), core.join("b", specs), core.join("c", specs)
-    g = torch.Generator().manual_seed(3)
-
-    def push_to(lid, session, seq, index, final=False):
-        fs = core.fragments[index]
-        core.push(lid, session, seq, index, fs.version, 2, 200,
-                  codec.encode(torch.randn(fs.fragment.numel, generator=g), "fp32"), final=final)
+    core, _ = make_core(learners=3, specs=THREE, grace=0.0, quorum=2, down_codec="int8")
+    sa, sb, sc = (core.join(lid, THREE) for lid in "abc")
+    push_to = random_pushes(core, seed=3)
 
     push_to("a", sa, 1, 1, final=True)
     assert core.learners["a"].finished == {0, 1, 2} and core.learners["a"].versions == {}

@@ -156,11 +156,8 @@ class GrpcTransport(HeartbeatNews):
                     raise SyncerError(tls_problem(e.details(), self.address)) from None  # retrying cannot fix it
                 elif self._join_attempt.done:  # the model's download broke part-way: start over while it gets further
                     if download.broke(self._join_attempt):
-                        raise SyncerError(
-                            f"join stalled: the download of the model from the syncer at {self.address} got no further "
-                            f"than {megabytes(download.done, self._join_attempt.total)} in {self.stall_timeout:.0f} s; "
-                            f"its connection broke {download.breaks} times ({code.name}: {e.details()}) and it started "
-                            f"over each time; {SLOW}") from None
+                        raise SyncerError(f"join stalled: the download of the model from the syncer at {self.address} "
+                                          f"{download.describe(self._join_attempt.total, e)}; {SLOW}") from None
                     log.warning("the join's download of the model broke after %s (%s: %s); joining again to start over",
                                 self._join_attempt.describe(), code.name, e.details())
                     deadline = time.monotonic() + self.connect_timeout  # for reaching the syncer again
@@ -303,11 +300,8 @@ class GrpcTransport(HeartbeatNews):
                 return
             if e.code() in RETRYABLE:
                 if upload.broke(progress):
-                    raise SyncerError(
-                        f"init stalled: the upload of the initial model to the syncer at {self.address} got no further "
-                        f"than {megabytes(upload.done, progress.total)} in {self.stall_timeout:.0f} s; its connection "
-                        f"broke {upload.breaks} times ({e.code().name}: {e.details()}) and it started over each time; "
-                        f"{SLOW}") from None
+                    raise SyncerError(f"init stalled: the upload of the initial model to the syncer at {self.address} "
+                                      f"{upload.describe(progress.total, e)}; {SLOW}") from None
                 log.warning("the upload of the initial model broke after %s (%s: %s); joining again to start over",
                             progress.describe(), e.code().name, e.details())
                 return

@@ -83,3 +83,8 @@ class Furthest:
         if attempt.done > self.done:
             self.done, self.since = attempt.done, attempt.last
         return self.clock() - self.since > self.stall
+
+    def describe(self, total: int, error: grpc.RpcError) -> str:
+        """How far the attempts got, once they stalled, ending with the last attempt's error."""
+        return (f"got no further than {megabytes(self.done, total)} in {self.stall:.0f} s; its connection broke "
+                f"{self.breaks} times ({error.code().name}: {error.details()}) and it started over each time")

@@ -25,8 +25,6 @@ from typing import Callable
 
 import torch
 
-from diloco import ids
-
 from diloco.algorithm import codec
 from diloco.config import SyncConfig
 from diloco.algorithm.fragments import Fragment, TensorSpec, first_difference, fit_fragments, plan_fragments, segments, signature
@@ -34,7 +32,7 @@ from diloco.algorithm.merge import StreamingMerge, segment_norms, token_weight
 from diloco.algorithm.policy import MovingAverage
 from diloco.algorithm.schedule import leading_position, offset
 from diloco.syncer.ledger import LearnerRecord
-from diloco.syncer.membership import Membership, Refused, rejoined
+from diloco.syncer.membership import Membership, Refused, check_learner_id, rejoined
 from diloco.syncer.round_timing import RoundTiming
 from diloco.syncer import downlink, persistence, phase, repeat_push, rounds
 from diloco.syncer.buffers import Buffers
@@ -46,13 +44,6 @@ from diloco.syncer.kept_payloads import KeptPayloads
 from diloco.syncer.defences.norm_guard import NormGuard
 from diloco.syncer.defences.reference import Counters
 from diloco.syncer.at_rest.store import StateStore
-
-
-def check_learner_id(learner_id: str) -> str:
-    try:
-        return ids.check_learner_id(learner_id)
-    except ids.InvalidLearnerId as e:
-        raise Refused(str(e)) from None
 
 
 RECENT_ROUNDS = 300
@@ -470,8 +461,7 @@ class SyncerCore(Membership, RoundTiming):
         """`c` joins the open round of `fragment` (under the lock)."""
         fs.pending[c.learner] = c
         if c.final:  # its training ended: from now on it reads no result, however long its own rounds stay open
-            downlink.finished(self.learners[c.learner], fragment, True, (
-                j for j, other in enumerate(self.fragments) if self.owns(j) and c.learner not in other.pending))
+            downlink.finished(self.learners[c.learner], fragment, True, self.fragments, self.owns)
         if fs.opened_at is None:
             fs.opened_at = arrived  # when its first push arrived, not when that push was decoded: see `awaited`
         if fs.quorum_at is None:  # reached when the push that makes it arrives, however late the next poll

@@ -4,7 +4,7 @@ one further behind gets full values. No per-learner copy of the model (docs/arch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,14 +103,15 @@ def checksum(fs) -> int:
     return fs.checksum[1]
 
 
-def finished(record: LearnerRecord, index: int, final: bool, idle: Iterable[int] = ()) -> None:
+def finished(record: LearnerRecord, index: int, final: bool, fragments, owns: Callable[[int], bool]) -> None:
     """Record whether `record`'s learner made its last push of fragment `index` (`final`: its training ended): it
     leaves without reading the fragment's results, so none is sent to it and what it held keeps no change alive
-    (`held`). Its training ended, so it reads no result of any other fragment either: those in `idle` (where no push
-    of it waits for an answer) count as finished too, and what it held of them keeps no change while the others flush
-    (a learner's finish applies the results it awaited, then pushes its last progress). A later push that is not its
-    last takes a fragment back, and full values, since what it holds is unknown."""
+    (`held`). Its training ended, so it reads no result of any other fragment either: the `owns`-ed `fragments` where
+    no push of it waits for an answer (`pending`) count as finished too, and what it held of them keeps no change
+    while the others flush (a learner's finish applies the results it awaited, then pushes its last progress). A later
+    push that is not its last takes a fragment back, and full values, since what it holds is unknown."""
     if final:
+        idle = (j for j, fs in enumerate(fragments) if owns(j) and record.id not in fs.pending)
         for i in {index, *idle}:
             record.finished.add(i)
             record.versions.pop(i, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from diloco import ids
 from diloco.algorithm.policy import Averages
 from diloco.syncer.ledger import LearnerRecord
 from diloco.syncer.revocation import revoked_message
@@ -20,6 +21,14 @@ DEPARTED_KEPT = 4096
 
 class Refused(Exception):
     """A request the syncer will not honour; the message says why and what to do."""
+
+
+def check_learner_id(learner_id: str) -> str:
+    """`learner_id`, or Refused saying what an id may hold."""
+    try:
+        return ids.check_learner_id(learner_id)
+    except ids.InvalidLearnerId as e:
+        raise Refused(str(e)) from None
 
 
 def rejoined(record: LearnerRecord, now: float, absent_after: float) -> str:

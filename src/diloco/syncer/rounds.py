@@ -231,9 +231,8 @@ def close(core, index: int, fs, decision: dict | None = None) -> list[Publicatio
     core.persist([index])  # durable before it is published
     full: list[codec.Encoded] = []  # P_v in fp32, encoded at most once per round
     answered = current_sessions(core, contributions)
-    for c in answered:  # read only for a last push: the fragments where no push of its learner waits
-        idle = (j for j, other in enumerate(core.fragments) if core.owns(j) and c.learner not in other.pending)
-        downlink.finished(core.learners[c.learner], index, c.final, idle)
+    for c in answered:
+        downlink.finished(core.learners[c.learner], index, c.final, core.fragments, core.owns)
     out = [pub for c in answered if not c.final
            for pub in downlink.publications(core.learners[c.learner], index, fs, c.seq, full)]
     if core.cfg.publish_to == "live":  # docs/algorithm.md §4: to every live learner, unasked (seq 0) where it

@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from diloco.syncer.core import Refused, check_learner_id
+from diloco.syncer.membership import Refused, check_learner_id
 from diloco.syncer.ledger import NOBODY, LearnerRecord
 from diloco.syncer.revocation import revoke, revoked_message
 from diloco.wire.bounds import shown
