@@ -15,9 +15,10 @@ from diloco.run.report import build_report, read_metrics
 pytestmark = pytest.mark.timeout(600)  # a loaded machine can take minutes
 
 
-def dp_plan(out, steps):
+def dp_plan(out, steps, pace=None):
+    paced = ["--pace", str(pace)] if pace else []
     args = build_parser().parse_args(["run", "--mode", "dp", "--model", "tiny", "--learners", "2", "--steps",
-                                      str(steps), "--out", str(out)])
+                                      str(steps), "--out", str(out), *paced])
     return make_plan(args)
 
 
@@ -44,14 +45,15 @@ class KillWorker1:
 
 @pytest.mark.slow
 def test_killed_worker_restarts_the_job_from_its_last_checkpoint(tmp_path):
-    plan, started = dp_plan(tmp_path / "run", 120), time.time()
+    # paced, so the half-second ticks see learner-1 between two checkpoints however fast this machine steps
+    plan, started = dp_plan(tmp_path / "run", 120, pace=0.1), time.time()
     kill = KillWorker1(plan.out / "metrics", after=40, every=25)
     learners, source = run_dp(plan, Progress(plan, enabled=False), on_tick=kill, checkpoint_every=25)
 
     assert source["steps"] == 120 and len(kill.killed_at) == 1
     [restart] = source["restarts"]
     killed_at = kill.killed_at[0]
-    assert restart["resumed_step"] == killed_at // 25 * 25 >= 25  
+    assert restart["resumed_step"] == killed_at // 25 * 25 >= 25
     assert source["lost_steps"] >= killed_at - restart["resumed_step"] > 0
     assert source["wire_bytes"] == 2 * ring_allreduce_bytes(2, 4 * source["parameters"]) * (120 + source["lost_steps"])
     assert latest_checkpoint(plan.out / "dp" / "checkpoint")[0] == 120
