@@ -303,13 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--trim-above", type=float, default=0.0, metavar="MIB",
                    help="every 2 s, give the memory malloc keeps free back to the system when it is more than this "
                         "many MiB (0: never, the default)")
-    n.add_argument("--agreement-buffer", type=float, default=0.25, metavar="SHARE",
+    n.add_argument("--agreement-buffer", type=float, default=0.05, metavar="SHARE",
                    help="bytes of open rounds' payloads the agreement test keeps in memory, as a share of the model's "
-                        "fp32 size (0.25): beyond it they wait in unnamed files in the --state folder until their "
+                        "fp32 size (0.05): beyond it they wait in unnamed files in the --state folder until their "
                         "round closes, so memory does not grow with the learners; 0: no bound")
-    n.add_argument("--change-buffer", type=float, default=0.25, metavar="SHARE",
+    n.add_argument("--change-buffer", type=float, default=0.05, metavar="SHARE",
                    help="bytes of merged-fragment changes the syncer keeps for learners that lag, as a share of the "
-                        "model's fp32 size (0.25): beyond it the oldest are dropped, and a learner that misses one "
+                        "model's fp32 size (0.05): beyond it the oldest are dropped, and a learner that misses one "
                         "is sent full values, so the changes never hold more than this share of memory; 0: no bound")
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")

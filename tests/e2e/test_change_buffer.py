@@ -5,7 +5,7 @@ from diloco import ServerOptions, SyncerThread, cli, for_mode
 
 def test_the_syncer_bounds_its_changes_unless_told_not_to(tmp_path):
     cfg = for_mode("decoupled", 2, fragments=2, sync_every=4)
-    for share, bound in ((ServerOptions.change_buffer_share, 0.25), (0.0, None)):
+    for share, bound in ((ServerOptions.change_buffer_share, 0.05), (0.0, None)):
         syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None, out=tmp_path / str(share),
                                                  change_buffer_share=share))
         try:
