@@ -13,13 +13,17 @@ import sys
 import time
 from pathlib import Path
 
-from diloco import checks, secret_sources
+from diloco import checks, secret_sources, static
 
 from diloco.options import (  # noqa: F401  (also this module's names: tests and scripts import them from here)
     CODECS, MODES, PRESETS, SYNC_FLAGS, WIRE_COMPRESSIONS, Parser, UserError, __version__, add_config_options,
     add_sync_options, add_train_options, address, addresses, model_config, positive_seconds, resolved_sync_config,
     shard_spec, sync_overrides, train_config,
 )
+
+# read from the source, not imported: the server imports torch and gRPC, which `diloco --help` must not wait for
+PUSH_BUFFER, AGREEMENT_BUFFER, CHANGE_BUFFER = (static.constant("diloco.syncer.serving.server", name)
+                                                for name in ("PUSH_BUFFER", "AGREEMENT_BUFFER", "CHANGE_BUFFER"))
 
 
 def cmd_inspect(args) -> int:
@@ -293,24 +297,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by default only the learner itself, or one whose stream ended, can take its id)")
     n.add_argument("--stall-timeout", type=positive_seconds, default=60.0,
                    help="seconds the learner uploading the initial model may send nothing before another takes over (60)")
-    n.add_argument("--push-buffer", type=float, default=0.25, metavar="SHARE",
+    n.add_argument("--push-buffer", type=float, default=PUSH_BUFFER, metavar="SHARE",
                    help="payload bytes of pushes the syncer holds at once, as a share of the model's fp32 size "
-                        "(0.25): pushes beyond it wait (never fail), so its memory does not grow with the learners; "
-                        "0: no bound")
+                        f"({PUSH_BUFFER}): pushes beyond it wait (never fail), so its memory does not grow with the "
+                        "learners; 0: no bound")
     n.add_argument("--send-window", type=float, default=8.0, metavar="MIB",
                    help="MiB an update stream may send beyond what its learner says it received (8): answers to a "
                         "slow reader wait in its queue, not in gRPC's buffers; 0: no bound")
     n.add_argument("--trim-above", type=float, default=0.0, metavar="MIB",
                    help="every 2 s, give the memory malloc keeps free back to the system when it is more than this "
                         "many MiB (0: never, the default)")
-    n.add_argument("--agreement-buffer", type=float, default=0.05, metavar="SHARE",
+    n.add_argument("--agreement-buffer", type=float, default=AGREEMENT_BUFFER, metavar="SHARE",
                    help="bytes of open rounds' payloads the agreement test keeps in memory, as a share of the model's "
-                        "fp32 size (0.05): beyond it they wait in unnamed files in the --state folder until their "
-                        "round closes, so memory does not grow with the learners; 0: no bound")
-    n.add_argument("--change-buffer", type=float, default=0.05, metavar="SHARE",
+                        f"fp32 size ({AGREEMENT_BUFFER}): beyond it they wait in unnamed files in the --state folder "
+                        "until their round closes, so memory does not grow with the learners; 0: no bound")
+    n.add_argument("--change-buffer", type=float, default=CHANGE_BUFFER, metavar="SHARE",
                    help="bytes of merged-fragment changes the syncer keeps for learners that lag, as a share of the "
-                        "model's fp32 size (0.05): beyond it the oldest are dropped, and a learner that misses one "
-                        "is sent full values, so the changes never hold more than this share of memory; 0: no bound")
+                        f"model's fp32 size ({CHANGE_BUFFER}): beyond it the oldest are dropped, and a learner that "
+                        "misses one is sent full values, so the changes never hold more than this share of memory; "
+                        "0: no bound")
     b = p.add_argument_group("budget (none: run until stopped)")
     b.add_argument("--tokens", type=int, help="stop the run after this many trained tokens in total, then exit")
     b.add_argument("--duration", type=float,

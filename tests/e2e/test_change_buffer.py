@@ -18,3 +18,9 @@ def test_a_negative_change_buffer_is_refused_in_one_line(capsys):
     assert cli.main(["syncer", "--change-buffer", "-0.5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--change-buffer must be a share of the model's size" in err[0], err
+
+
+def test_diloco_syncer_defaults_to_the_servers_own_bounds():
+    args = cli.build_parser().parse_args(["syncer"])
+    assert (args.push_buffer, args.agreement_buffer, args.change_buffer) == (
+        ServerOptions.push_buffer_share, ServerOptions.agreement_buffer_share, ServerOptions.change_buffer_share)

@@ -41,6 +41,11 @@ from diloco.wire.tls import is_loopback, server_credentials
 
 log = logging.getLogger("diloco.syncer")
 
+# bounds on what grows with the learners, as shares of the model's fp32 size; `diloco syncer` reads them from here
+PUSH_BUFFER = 0.25
+AGREEMENT_BUFFER = 0.05
+CHANGE_BUFFER = 0.05
+
 
 @dataclass
 class ServerOptions:
@@ -87,7 +92,7 @@ class ServerOptions:
     """A Join under an id the syncer sees live supersedes that learner even without its session secret."""
     initial_model: Path | None = None
     """A safetensors file with the initial global model (--initial-model): no learner uploads it."""
-    push_buffer_share: float = 0.25
+    push_buffer_share: float = PUSH_BUFFER
     """Payload bytes of pushes held at once, as a share of the model's fp32 size; pushes beyond it wait (0: no
     bound; syncer/serving/push_budget.py)."""
     send_window: int = DEFAULT_SEND_WINDOW
@@ -96,10 +101,10 @@ class ServerOptions:
     trim_above: int = 0
     """Every TRIM_SECONDS, give malloc's free memory back to the system when it keeps more than this many bytes
     (`allocator.trim`; 0: never)."""
-    agreement_buffer_share: float = 0.05
+    agreement_buffer_share: float = AGREEMENT_BUFFER
     """Bytes of the agreement test's payloads of open rounds kept in memory, as a share of the model's fp32 size;
     beyond it they wait in unnamed files in `out` until their round closes (0: no bound; syncer/kept_payloads.py)."""
-    change_buffer_share: float = 0.05
+    change_buffer_share: float = CHANGE_BUFFER
     """Bytes of downlink changes kept for learners that lag, as a share of the model's fp32 size; beyond it the oldest
     are dropped and a learner that misses one gets full values (0: no bound but the window's; downlink.bound_changes).
     Both buffers at 0.05 rather than 0.25 took what six more learners add to a 17M model's syncer from +0.34–0.45×
