@@ -43,7 +43,7 @@ log = logging.getLogger("diloco.syncer")
 
 # bounds on what grows with the learners, as shares of the model's fp32 size; `diloco syncer` reads them from here
 PUSH_BUFFER = 0.25
-AGREEMENT_BUFFER = 0.05
+AGREEMENT_BUFFER = 0.02
 CHANGE_BUFFER = 0.05
 
 
