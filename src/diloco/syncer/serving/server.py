@@ -103,7 +103,9 @@ class ServerOptions:
     (`allocator.trim`; 0: never)."""
     agreement_buffer_share: float = AGREEMENT_BUFFER
     """Bytes of the agreement test's payloads of open rounds kept in memory, as a share of the model's fp32 size;
-    beyond it they wait in unnamed files in `out` until their round closes (0: no bound; syncer/kept_payloads.py)."""
+    beyond it they wait in unnamed files in `out` until their round closes (0: no bound; syncer/kept_payloads.py).
+    A fiftieth rather than a twentieth took what six more learners add to a 124M model's syncer from +0.05–0.075×
+    to +0.04–0.05× (benchmarks/LOG.md, "The open rounds' buffer at a fiftieth of the model")."""
     change_buffer_share: float = CHANGE_BUFFER
     """Bytes of downlink changes kept for learners that lag, as a share of the model's fp32 size; beyond it the oldest
     are dropped and a learner that misses one gets full values (0: no bound but the window's; downlink.bound_changes).
