@@ -104,13 +104,11 @@ class ServerOptions:
     agreement_buffer_share: float = AGREEMENT_BUFFER
     """Bytes of the agreement test's payloads of open rounds kept in memory, as a share of the model's fp32 size;
     beyond it they wait in unnamed files in `out` until their round closes (0: no bound; syncer/kept_payloads.py).
-    A fiftieth rather than a twentieth took what six more learners add to a 124M model's syncer from +0.05–0.075×
-    to +0.04–0.05× (benchmarks/LOG.md, "The open rounds' buffer at a fiftieth of the model")."""
+    Why a fiftieth: benchmarks/LOG.md, "The open rounds' buffer at a fiftieth of the model"."""
     change_buffer_share: float = CHANGE_BUFFER
     """Bytes of downlink changes kept for learners that lag, as a share of the model's fp32 size; beyond it the oldest
     are dropped and a learner that misses one gets full values (0: no bound but the window's; downlink.bound_changes).
-    Both buffers at 0.05 rather than 0.25 took what six more learners add to a 17M model's syncer from +0.34–0.45×
-    to +0.07–0.12× (benchmarks/LOG.md, "The changes' and open rounds' buffers at a twentieth of the model")."""
+    Why a twentieth: benchmarks/LOG.md, "The changes' and open rounds' buffers at a twentieth of the model"."""
     exit_when_done: bool = False
     """Stop serving once the budget (token_budget, duration) is spent and no learner is live any more: each heard
     the end and left, or fell silent (`diloco syncer`; an embedded SyncerThread waits for stop())."""
