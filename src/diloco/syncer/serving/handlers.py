@@ -22,11 +22,13 @@ Count = Callable[[str, int, int, str | None], None]
 
 
 def serializer(count_sent: Count) -> Callable[[object], bytes]:
-    """What gRPC calls to turn a reply into bytes: a `Serialized` as it is, anything else by protobuf; each counted."""
+    """What gRPC calls to turn a reply into bytes: a `Serialized` as it is (its bytes taken from it), anything else
+    by protobuf; each counted."""
     def serialize(message) -> bytes:
-        if isinstance(message, Serialized):
-            count_sent(message.name, len(message.data) + 5, message.payload, message.codec)
-            return message.data
+        if isinstance(message, Serialized):  # taken: gRPC holds the message itself until the stream's next one
+            data = message.take()
+            count_sent(message.name, len(data) + 5, message.payload, message.codec)
+            return data
         data = message.SerializeToString()
         _, codec, payload = payload_part(message)
         count_sent(type(message).__name__, len(data) + 5, payload, codec)
