@@ -58,16 +58,17 @@ def payload_part(message) -> tuple[str, str | None, int]:
     return rpc, None, 0
 
 
+@dataclass(slots=True)
 class Serialized:
     """A message serialized already, which the syncer's gRPC handlers send as it is (syncer/serving/handlers.py):
     `name` its type's name, `payload` the bytes of encoded values it carries, in `codec` (counted apart from its
     framing). Its bytes are handed over once (`take`): gRPC's server keeps a stream's last message while the stream
     waits for its next one, and each idle update stream kept the last chunk it sent, a chunk per learner."""
 
-    __slots__ = ("name", "data", "payload", "codec")
-
-    def __init__(self, name: str, data: bytes, payload: int = 0, codec: str | None = None):
-        self.name, self.data, self.payload, self.codec = name, data, payload, codec
+    name: str
+    data: bytes
+    payload: int = 0
+    codec: str | None = None
 
     def take(self) -> bytes:
         """The bytes, which this message no longer holds."""
