@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 from benchmarks import child_env, module_command
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 
 ATTACKS = ("sign-flip", "noise", "drift", "free-rider", "replay", "inflate-tokens", "tiny-weight", "heartbeat-tokens",
@@ -177,7 +178,8 @@ def one_run(name: str, attack: str | None, args, seed: int, out: Path, learners:
     cmd = [sys.executable, "-m", "diloco", "run", "--model", args.model, "--learners", str(learners), "--seed",
            str(seed), "--steps", str(args.steps), "--json", "--no-progress", "--out", str(folder),
            *shlex.split(args.syncer_flags)]
-    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           preexec_fn=die_with_parent())
     fourth = None
     try:
         if attack is not None:
@@ -185,7 +187,7 @@ def one_run(name: str, attack: str | None, args, seed: int, out: Path, learners:
             cmd4 = [*module_command(__spec__.name), "--hostile", attack, "--syncer", address, "--id", "fourth",
                     "--steps", str(args.steps), "--seed", str(seed), "--train-config", str(folder / "train_config.json")]
             fourth = subprocess.Popen(cmd4, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=die_with_parent())
         stdout, stderr = run.communicate(timeout=args.timeout)
         if run.returncode != 0:
             raise RuntimeError(f"{name}@{seed}: diloco run failed ({run.returncode}): {stderr[-1500:]}")

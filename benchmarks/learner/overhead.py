@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 from benchmarks import child_env, module_command
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 
 MODELS = {  # name: (batch size, sequence length) of one inner step
@@ -197,7 +198,7 @@ def measure(name: str, with_learner: bool, steps: int, warmup: int, keep_overlap
         command = [*module_command(__spec__.name), "--model", name, "--steps", str(steps), "--warmup", str(warmup),
                    "--worker"] + (["--syncer", syncer.address] if with_learner else []) + \
                   (["--count-allocations"] if count_allocations else [])
-        proc = subprocess.run(command, capture_output=True, text=True, env=child_env())
+        proc = subprocess.run(command, capture_output=True, text=True, env=child_env(), preexec_fn=die_with_parent())
     if proc.returncode != 0:
         raise RuntimeError(f"worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])

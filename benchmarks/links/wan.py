@@ -45,6 +45,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 
 COLUMNS = ("link", "mode", "budget", "s/step", "S", "time to T", "speed-up", "speed-up / S", "tokens to T",
@@ -153,7 +154,7 @@ def run_once(mode: str, rate: str, budget: list[str], args, extra: list[str], ou
     cmd += ["--speeds", args.speeds] if args.speeds else []
     cmd += ["--chaos", args.chaos] if args.chaos else []
     cmd += ["--pace", str(args.pace)] if args.pace else []
-    proc = subprocess.run(cmd + extra, capture_output=True, text=True)
+    proc = subprocess.run(cmd + extra, capture_output=True, text=True, preexec_fn=die_with_parent())
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd[3:] + extra)}): {proc.stderr[-1500:]}")
     return {**summarise(folder, json.loads(proc.stdout)), "projected": projected(folder, rate)}

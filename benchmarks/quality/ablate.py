@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 
 MECHANISMS = {
@@ -73,7 +74,7 @@ def run_once(flags: list[str], setting: str, seed: int, args, out: Path) -> dict
     cmd = [sys.executable, "-m", "diloco", "run", "--mode", "decoupled", "--learners", "4", "--model", args.model,
            "--duration", str(args.duration), "--pace", str(args.pace), "--seed", str(seed), "--json",
            "--no-progress", "--snapshots", "2", "--out", str(out), *SETTINGS[setting], *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=die_with_parent())
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd[3:])}): {proc.stderr[-1500:]}")
     report = json.loads(proc.stdout)

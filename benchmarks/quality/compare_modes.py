@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 
 
@@ -34,7 +35,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "diloco", "run", "--mode", mode, "--learners", str(args.learners),
                "--tokens", str(args.tokens), "--json", "--out", str(out), *extra]
         print("running:", " ".join(cmd[2:]), file=sys.stderr)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=die_with_parent())
         if proc.returncode != 0:
             print(proc.stderr[-2000:], file=sys.stderr)
             return proc.returncode

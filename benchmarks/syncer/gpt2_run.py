@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 
 BATCH, SEQ_LEN = 1, 64
@@ -169,7 +170,8 @@ def main() -> None:
         syncer = subprocess.Popen([sys.executable, "-m", "diloco", "syncer", "--listen", address, "--http",
                                    f"127.0.0.1:{http_port}", "--state", str(Path(folder) / "syncer"),
                                    "--learners", str(args.learners)],
-                                  stdout=subprocess.DEVNULL, stderr=open(Path(folder) / "syncer.log", "w"))
+                                  stdout=subprocess.DEVNULL, stderr=open(Path(folder) / "syncer.log", "w"),
+                                  preexec_fn=die_with_parent())
         try:
             out, stop = ctx.Queue(), ctx.Event()
             started = time.monotonic()

@@ -54,6 +54,7 @@ import torch
 
 from diloco import GrpcTransport, Learner, ShardedTransport
 from diloco.algorithm.fragments import tensor_specs
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 from benchmarks.syncer.load_clients import TENSORS, Shared, client_process, fetch, heartbeat_probe, make_plans, status
 from benchmarks.syncer.load_report import (memory_at_peak, merged, push_report, quantiles_ms, shape_report, summary,
@@ -96,7 +97,7 @@ def start_syncers(shards: int, learners: int, absent_after: float, folder: Path,
         if shards > 1:
             cmd += ["--shard", f"{i}/{shards}"]
         with open(folder / f"syncer-{i}.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
         started.append(proc)
         deadline = time.monotonic() + 60
         while not (state / "ready.json").exists():

@@ -19,6 +19,7 @@ import subprocess
 
 import numpy as np
 from benchmarks import child_env, module_command
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 
 
@@ -110,7 +111,8 @@ def main() -> None:
     results = []
     for m in args.learners:  # a process each, so that one's peak does not hide the next one's
         out = subprocess.run([*module_command(__spec__.name), "--child", str(m), "--rounds", str(args.rounds)],
-                             check=True, capture_output=True, text=True, env=child_env()).stdout
+                             check=True, capture_output=True, text=True, env=child_env(),
+                             preexec_fn=die_with_parent()).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         r = results[-1]
         print(f"M = {m:3d}: peak RSS {r['peak_rss_bytes'] / 2**20:8.0f} MiB = {r['peak_over_model']:5.2f} × fp32 model "

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from diloco import GrpcTransport, Learner
+from diloco.procs import die_with_parent
 from benchmarks.provenance import stamped
 from benchmarks.syncer.load import Model, free_port  # the same model shapes as the load benchmark
 
@@ -51,7 +52,8 @@ def measure(learners: int, params: float, steps: int, syncer_flags: list[str], m
                                    "--http", f"127.0.0.1:{http_port}", "--learners", str(learners), "--state",
                                    str(state), *syncer_flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   env={**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}
-                                                        if mmap_threshold else {})})
+                                                        if mmap_threshold else {})},
+                                  preexec_fn=die_with_parent())
         try:
             deadline = time.monotonic() + 120
             while not (state / "ready.json").exists():
