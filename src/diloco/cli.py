@@ -75,7 +75,37 @@ def cmd_credentials(args) -> int:
     return 0
 
 
+RESTARTED = "DILOCO_ALLOCATOR_RESTARTED"
+"""Set in a syncer's environment when it started itself again to preload jemalloc: it does so once."""
+
+
+def use_allocator(wanted: str, restart: bool) -> None:
+    """Run this syncer on the allocator `--allocator` names. For jemalloc, found but not loaded, the process starts
+    itself again with it preloaded (`os.execve`: the same pid, arguments and environment), before it has allocated
+    anything of size; `restart` False (a syncer started in-process) keeps the allocator it has."""
+    from diloco import allocator
+
+    if wanted == "glibc" or allocator.name() == "jemalloc":
+        return
+    library = allocator.find_jemalloc()
+    problem = None
+    if library is None:
+        problem = "jemalloc is not installed (apt-get install libjemalloc2; dnf install jemalloc)"
+    elif os.environ.get(RESTARTED):
+        problem = f"{library} did not load when preloaded (LD_PRELOAD)"
+    elif not restart:
+        problem = "a syncer started inside another program runs on the allocator that program started with"
+    if problem is None:
+        os.execve(sys.executable, sys.orig_argv, {**allocator.preload_env(dict(os.environ), library), RESTARTED: "1"})
+    if wanted == "jemalloc":
+        raise UserError(f"--allocator jemalloc: {problem}; or --allocator glibc")
+    logging.getLogger("diloco.syncer").info(
+        "the syncer runs on glibc's malloc, whose free memory grows with the learners (about 0.7 MiB each): %s",
+        problem)
+
+
 def cmd_syncer(args) -> int:
+    use_allocator(args.allocator, args.own_process)  # before anything of size is allocated
     from diloco.allocator import limit_arenas, map_large
     from diloco.syncer.serving.server import ServerOptions, serve
 
@@ -304,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--send-window", type=float, default=8.0, metavar="MIB",
                    help="MiB an update stream may send beyond what its learner says it received (8): answers to a "
                         "slow reader wait in its queue, not in gRPC's buffers; 0: no bound")
+    n.add_argument("--allocator", choices=("auto", "jemalloc", "glibc"), default="auto",
+                   help="the memory allocator: auto (the default) runs on jemalloc where it is installed (apt-get "
+                        "install libjemalloc2), whose memory does not grow with the learners as glibc's malloc does, "
+                        "and on glibc's otherwise; jemalloc: stop if it cannot be had")
     n.add_argument("--trim-above", type=float, default=0.0, metavar="MIB",
                    help="every 2 s, give the memory malloc keeps free back to the system when it is more than this "
                         "many MiB (0: never, the default)")
@@ -467,6 +501,7 @@ def with_config(parser: Parser, args: argparse.Namespace, argv: list[str] | None
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.own_process = argv is None  # this process is the command's own: it may start itself again (use_allocator)
     level = args.log_level or ("INFO" if args.command in ("syncer", "learner") else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from diloco.learner.transport import SyncerError

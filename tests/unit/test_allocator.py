@@ -1,6 +1,7 @@
-"""The syncer caps glibc's malloc arenas (diloco.allocator): threads that allocate at once share two arenas; and the
+"""The syncer caps glibc's malloc arenas (diloco.allocator): threads that allocate at once share two arenas; the
 memory malloc keeps free for reuse is counted."""
 
+import ctypes.util
 import os
 import subprocess
 import sys
@@ -137,3 +138,44 @@ def test_fragment_sized_blocks_are_mapped_and_message_chunks_are_not():
 
     # a chunk's payload, its framing and the bytes object's header stay under; a 17M model's 2.7 MB fragments go over
     assert CHUNK_BYTES + 4096 < MAP_ABOVE < 2_700_000
+
+
+JEMALLOC_MISSING = None if ctypes.util.find_library("jemalloc") else (
+    "jemalloc is not installed: apt-get install libjemalloc2")
+
+ON_JEMALLOC = textwrap.dedent("""
+    import ctypes
+    from diloco.allocator import heap, name, trim
+    libc = ctypes.CDLL(None)  # malloc and free as the process has them: jemalloc's, preloaded
+    libc.malloc.restype = ctypes.c_void_p
+    libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+    before, _ = heap()
+    blocks = [libc.malloc(64 << 10) for _ in range(512)]  # 32 MiB
+    for b in blocks:
+        libc.memset(b, 1, 64 << 10)
+    during, _ = heap()
+    for b in blocks:
+        libc.free(ctypes.c_void_p(b))
+    after, _ = heap()
+    print(name(), during - before, during - after, trim())
+""")
+
+
+@pytest.mark.needs(JEMALLOC_MISSING)
+def test_on_jemalloc_what_is_handed_out_is_counted_and_purged_on_trim():
+    from diloco.allocator import JEMALLOC, preload_env
+
+    env = preload_env({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}, JEMALLOC)
+    out = subprocess.run([sys.executable, "-c", ON_JEMALLOC], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out[0] == "jemalloc" and out[3] == "True"
+    # handed out, then given back (jemalloc counts what its threads' caches hold apart: within a MiB)
+    assert int(out[1]) >= 31 << 20 and int(out[2]) >= 31 << 20
+
+
+def test_preloading_keeps_what_the_environment_preloads_and_its_malloc_settings():
+    from diloco.allocator import JEMALLOC, JEMALLOC_CONF, preload_env
+
+    assert preload_env({}, JEMALLOC) == {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": JEMALLOC_CONF}
+    env = preload_env({"LD_PRELOAD": "libmine.so", "MALLOC_CONF": "narenas:1", "PATH": "/bin"}, JEMALLOC)
+    assert env == {"LD_PRELOAD": f"{JEMALLOC} libmine.so", "MALLOC_CONF": "narenas:1", "PATH": "/bin"}

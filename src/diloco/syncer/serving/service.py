@@ -158,6 +158,7 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
         """The service's own figures for /status (beside SyncerCore.status)."""
         return {"core_queue": self.core_queue_depth(), "loop_lag_seconds": round(self.loop_lag["last"], 4),
                 "loop_lag_max_seconds": round(self.loop_lag["max"], 4), "memory": self.memory(),
+                "allocator": allocator.name(),
                 "kept_payloads_on_disk": self.core.kept_payloads.on_disk}
 
     def memory(self) -> dict[str, int]:
