@@ -8,11 +8,11 @@ peaked at 3.84–4.28× the fp32 model with the default and 3.67× with two aren
 cap"). The limit holds only if set before the process's threads start allocating (glibc fixes it when the ninth arena
 is made), so the syncer sets it first thing; `MALLOC_ARENA_MAX` in the environment, if set, wins.
 
-jemalloc instead of glibc's malloc (`preload_env`, the syncer's `--allocator`): glibc keeps what short-lived buffers
-free between the long-lived objects of each learner's connection, so every learner added memory kept free (about
-0.7 MiB a learner, most of what each added to a 17M model's syncer); jemalloc keeps blocks of one size together and
-gives freed pages back within a second (JEMALLOC_CONF; benchmarks/LOG.md, "The syncer on jemalloc"). It can only be
-loaded as a process starts (LD_PRELOAD); `heap` and `trim` ask whichever allocator the process has."""
+jemalloc instead (`preload_env`, the syncer's `--allocator jemalloc`): glibc keeps what short-lived buffers freed
+between the long-lived objects of each learner's connection, about 0.7 MiB per learner that joined; jemalloc keeps
+blocks of one size together and gives freed pages back within a second (JEMALLOC_CONF), for a slightly higher peak
+(benchmarks/LOG.md, "The syncer on jemalloc"). It can only be loaded as a process starts (LD_PRELOAD); `heap` and
+`trim` ask whichever allocator the process has."""
 
 from __future__ import annotations
 

@@ -116,7 +116,8 @@ def test_service_reports_queue_depth_loop_lag_and_merge_seconds():
     assert "diloco_core_queue_depth 0.0" in text
     assert "diloco_event_loop_lag_seconds_count" in text
     stats = service.stats()
-    assert set(stats) == {"core_queue", "loop_lag_seconds", "loop_lag_max_seconds", "memory",
+    assert set(stats) == {"core_queue", "loop_lag_seconds", "loop_lag_max_seconds", "memory", "allocator",
                           "kept_payloads_on_disk"}
+    assert stats["allocator"] in ("glibc", "jemalloc", "other")
     assert set(stats["memory"]) == {*memory.PARTS, "rss"} and stats["memory"]["model"] > 0
     assert "diloco_syncer_memory_bytes" not in text or "part=" in text
