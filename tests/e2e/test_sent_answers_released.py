@@ -13,9 +13,10 @@ import torch
 
 from diloco import GrpcTransport, Learner, ServerOptions, SyncerThread, for_mode
 from diloco.algorithm import codec
-from diloco.syncer.serving import serialized_updates
 from diloco.syncer.serving.serialized_updates import SerializedUpdates
 from diloco.wire import diloco_pb2 as pb
+from diloco.wire import messages
+from diloco.wire.messages import Serialized
 from liveness import wait_for
 from rpc import push_header, raw_join, stub
 from syncers import start_syncer, wide
@@ -65,18 +66,18 @@ def test_an_idle_update_stream_holds_no_full_values_it_sent(monkeypatch):
 
 def test_an_idle_update_stream_keeps_no_bytes_of_the_chunks_it_sent(monkeypatch):
     # gRPC's server keeps a stream's last message until the next one: a chunk per learner, held between answers
-    source, first = inspect.getsourcelines(SerializedUpdates.blobs)
-    chunk_line = first + next(i for i, line in enumerate(source) if "head.SerializeToString() + part" in line)
+    source, first = inspect.getsourcelines(Serialized.take)
+    chunk_line = first + next(i for i, line in enumerate(source) if "self.data + self.shared" in line)
     sent, original = [], SerializedUpdates.blobs
 
     def counting(self, *args, **kwargs):
         for message in original(self, *args, **kwargs):
-            sent.append(len(message.data))
+            sent.append(message.size)
             yield message
 
     def chunks_held() -> int:
         """Bytes allocated where an update chunk is serialized for one stream, still held."""
-        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, serialized_updates.__file__,
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, messages.__file__,
                                                                                  lineno=chunk_line)])
         return sum(stat.size for stat in snapshot.statistics("lineno"))
 

@@ -62,17 +62,26 @@ def payload_part(message) -> tuple[str, str | None, int]:
 class Serialized:
     """A message serialized already, which the syncer's gRPC handlers send as it is (syncer/serving/handlers.py):
     `name` its type's name, `payload` the bytes of encoded values it carries, in `codec` (counted apart from its
-    framing). Its bytes are handed over once (`take`): gRPC's server keeps a stream's last message while the stream
-    waits for its next one, and each idle update stream kept the last chunk it sent, a chunk per learner."""
+    framing). Its bytes are `data` followed by `shared`, a part other messages send too (an update chunk's data
+    field, the same for every learner), joined only when gRPC takes them (`take`): a round's result goes to every
+    learner at once, and chunks joined as they were made, each waiting for its turn to be written, were a chunk per
+    learner. Taken once: gRPC's server keeps a stream's last message while the stream waits for its next one."""
 
     name: str
     data: bytes
     payload: int = 0
     codec: str | None = None
+    shared: bytes = b""
+
+    @property
+    def size(self) -> int:
+        """Bytes of the serialized message."""
+        return len(self.data) + len(self.shared)
 
     def take(self) -> bytes:
         """The bytes, which this message no longer holds."""
-        data, self.data = self.data, b""
+        data = self.data + self.shared if self.shared else self.data
+        self.data = self.shared = b""
         return data
 
 

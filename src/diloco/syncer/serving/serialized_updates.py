@@ -4,7 +4,8 @@ A merged fragment's change goes to every learner. Serialized for each of them, i
 per learner on the event loop (sliced, put in a message, sized, measured for the send window, serialized): at 128
 learners of a 124M model, seconds of the loop's time for each round, during which no heartbeat was answered. Now a
 chunk is its header (a few bytes of its own per stream: the push it answers differs) followed by its data field,
-serialized once: protobuf parses concatenated serializations of a message as one message with the fields of both."""
+serialized once: protobuf parses concatenated serializations of a message as one message with the fields of both.
+The two are joined only as gRPC takes the chunk (`Serialized.take`), not while it waits for its turn."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class SerializedUpdates:
         data = [chunk for _, chunk in chunks]
         parts = self._shared(payload, compression, data)
         for (head, chunk), part in zip(chunks, parts if parts is not None else data_fields(data)):
-            yield Serialized("Blob", head.SerializeToString() + part, len(chunk), payload.codec)
+            yield Serialized("Blob", head.SerializeToString(), len(chunk), payload.codec, shared=part)
 
     def _shared(self, payload: codec.Encoded, compression: str, chunks: list[memoryview]) -> list[bytes] | None:
         key = (id(payload), compression)
