@@ -72,9 +72,8 @@ def name() -> str:
 
 
 def find_jemalloc() -> str | None:
-    """jemalloc's library name where the system's loader finds it, else None."""
-    found = ctypes.util.find_library("jemalloc")
-    return JEMALLOC if found and found.startswith("libjemalloc.so") else found
+    """jemalloc's library name (JEMALLOC on Debian) where the system's loader finds it, else None."""
+    return ctypes.util.find_library("jemalloc")
 
 
 def preload_env(env: dict[str, str], library: str) -> dict[str, str]:
