@@ -5,12 +5,12 @@ import ast
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import ROOT, child_env, module_command
+from liveness import wait_for
 
 QUERIES = {"provenance.py", "corpus.py"}
 """Ask git or npm one short question each; nothing of theirs runs on."""
@@ -61,20 +61,20 @@ def test_a_benchmark_killed_mid_run_leaves_no_syncer_running():
     bench = subprocess.Popen([*module_command("benchmarks.syncer.memory_learners"), "--learners", "2", "--params",
                               "2.4e5", "--steps", "100000"], env=child_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
+    found: list[int] = []
+
+    def syncer_started() -> bool:
+        assert bench.poll() is None, f"the benchmark ended first ({bench.returncode})"
+        found.extend(pid for pid, cmdline in children(bench.pid) if " syncer " in cmdline)
+        return bool(found)
+
     syncer = None
     try:
-        deadline = time.monotonic() + 180
-        while syncer is None:
-            assert bench.poll() is None, f"the benchmark ended first ({bench.returncode})"
-            assert time.monotonic() < deadline, "the benchmark started no syncer within 180 s"
-            syncer = next((pid for pid, cmdline in children(bench.pid) if " syncer " in cmdline), None)
-            time.sleep(0.1)
+        wait_for(syncer_started, timeout=180)
+        syncer = found[0]
         bench.kill()
         bench.wait()
-        deadline = time.monotonic() + 30
-        while running(syncer) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not running(syncer), "the syncer outlived the benchmark killed with SIGKILL"
+        wait_for(lambda: not running(syncer), timeout=30)  # the kernel's SIGKILL, once its parent is gone
     finally:
         if bench.poll() is None:
             bench.kill()

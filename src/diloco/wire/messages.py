@@ -73,11 +73,6 @@ class Serialized:
     codec: str | None = None
     shared: bytes = b""
 
-    @property
-    def size(self) -> int:
-        """Bytes of the serialized message."""
-        return len(self.data) + len(self.shared)
-
     def take(self) -> bytes:
         """The bytes, which this message no longer holds."""
         data = self.data + self.shared if self.shared else self.data
