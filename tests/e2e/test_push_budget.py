@@ -2,7 +2,9 @@
 waits for bytes before its data is read, and is then merged like any other (syncer/serving/push_budget.py)."""
 
 import asyncio
+import gc
 import threading
+import types
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from diloco.learner.grpc_transport import GrpcTransport
 from diloco.learner.learner import Learner
 from diloco.syncer.serving.push_budget import PushBudget
 from diloco.syncer.serving.server import ServerOptions, SyncerThread
+from diloco.wire import diloco_pb2 as pb
 from liveness import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,5 +98,44 @@ def test_many_learners_pushing_while_the_core_is_busy_stay_within_the_budget():
     finally:
         release.set()
         for learner in learners:
+            learner.close()
+        syncer.stop()
+
+
+def messages_with_data(frame_locals) -> list[str]:
+    return [name for name, value in frame_locals.items()
+            if isinstance(value, pb.PushChunk) and value.HasField("data") and value.data]
+
+
+def test_a_push_waiting_for_the_core_holds_its_payload_once():
+    # a message keeps its own copy of its data: a handler that kept its last chunk while the push waits for the
+    # core worker (behind other pushes, when the syncer is busy) held every waiting payload twice
+    cfg = for_mode("decoupled", 2, fragments=4, sync_every=4)
+    syncer = SyncerThread(cfg, ServerOptions(listen="127.0.0.1:0", http=None))
+    learner, seen = None, []
+    try:
+        core = syncer.service.core
+        real_push = core.push
+
+        def inspecting_push(*args, **kwargs):  # on the core worker, while the handler awaits it
+            live = gc.get_objects()
+            frames = [o.cr_frame for o in live if type(o) is types.CoroutineType and o.cr_frame is not None]
+            frames += [o.ag_frame for o in live if type(o) is types.AsyncGeneratorType and o.ag_frame is not None]
+            seen.append([f"{f.f_code.co_name}.{name}" for f in frames
+                         if f.f_code.co_filename.endswith("service.py") for name in messages_with_data(f.f_locals)])
+            return real_push(*args, **kwargs)
+
+        core.push = inspecting_push
+        learner = Learner(Net(), GrpcTransport(syncer.address), "a")
+        for _ in range(4):
+            with torch.no_grad():
+                for p in learner.model.parameters():
+                    p.add_(1e-3)
+            learner.step(1024)
+        learner.finish(timeout=60)
+        learner = None
+        assert len(seen) >= 4 and seen == [[]] * len(seen), seen
+    finally:
+        if learner is not None:
             learner.close()
         syncer.stop()

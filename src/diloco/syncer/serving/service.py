@@ -404,6 +404,7 @@ class SyncerService(Admission, InitialUpload, UpdateStreams, pb_grpc.SyncerServi
                 if received > header.total_bytes:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push payload longer than its header says")
                 parts.append(data)
+        chunk = data = None  # a message keeps its own copy of the data: not held while the push waits for the core
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push without a header")
         def push():  # on the core worker: joining the parts copies the whole payload
