@@ -11,13 +11,19 @@ docs/architecture.md, "Syncer memory") at the sample with the largest RSS, in Mi
 model, the syncer's CPU seconds per push from the learners' join to their finish (what --mmap-threshold costs), and
 what the learners received after their join, with the answers sent as full values (what --change-buffer costs). The
 learners share this process and its cores, so some of them lag: what a lagging learner costs the syncer is what this
-measures."""
+measures.
+
+What six more learners add, the figure the syncer's memory goal is written in, is printed last: (peak at the last M −
+peak at the first) ÷ the model ÷ (their difference) × 6, once per repeat and their median. One run's peak moves by
+a few MiB between runs of one setting (the moments when pushes and answers meet), more than 0.05× of a small model:
+`--repeats 3` runs the M values in turn three times."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -127,25 +133,57 @@ def main() -> int:
     p.add_argument("--syncer-flags", default="", help="extra `diloco syncer` flags")
     p.add_argument("--mmap-threshold", type=int, help="the syncer's MALLOC_MMAP_THRESHOLD_ in bytes (its default: "
                    "diloco.allocator.MAP_ABOVE)")
+    p.add_argument("--repeats", type=int, default=1, help="run the --learners in turn this many times")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if len(args.learners) < 1 or min(args.learners) < 1 or args.repeats < 1:
+        p.error("--learners wants one or more numbers of learners ≥ 1, and --repeats a count ≥ 1")
     torch.set_num_threads(1)
     results = []
-    for m in args.learners:
-        results.append(measure(m, args.params, args.steps, args.syncer_flags.split(), args.mmap_threshold))
-        r = results[-1]
-        print(f"M = {m:3d}: peak RSS {r['peak_rss_mib']:.0f} MiB = {r['peak_over_model']:.2f}× the model "
-              f"({r['model_mib']:.0f} MiB), {r['peak_above_baseline_over_model']:.2f}× above the syncer's idle "
-              f"{r['baseline_rss_mib']:.0f} MiB, {r['peak_before_finish_mib']:.0f} MiB before the learners "
-              f"finished; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}; "
-              f"syncer CPU {r['syncer_cpu_ms_per_push']:.1f} ms a push ({r['pushes']} pushes); learners received "
-              f"{r['received_after_join_mib']:.0f} MiB after their join, {r['full_answers']} answers in full values "
-              f"({r['full_answers_mib']:.0f} MiB)",
-              flush=True)
+    for repeat in range(args.repeats):
+        for m in args.learners:
+            results.append({**measure(m, args.params, args.steps, args.syncer_flags.split(), args.mmap_threshold),
+                            "repeat": repeat})
+            report(results[-1])
+    growth = growth_per_six(results)
+    if growth:
+        def listed(key):
+            return ", ".join(f"{g:+.3f}×" for g in growth[key]) + f" (median {growth[key + '_median']:+.3f}×)"
+        print(f"six more learners, {growth['from']} → {growth['to']}: peak {listed('peak')} the model; before the "
+              f"finish {listed('before_finish')}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(stamped({"learners": results}, args), indent=1))
+        args.json.write_text(json.dumps(stamped({"learners": results, "growth_per_six": growth}, args), indent=1))
     return 0
+
+
+def growth_per_six(results: list[dict]) -> dict | None:
+    """Per repeat, what six more learners added to the peak between the fewest and the most learners measured, as a
+    multiple of the model; None with one number of learners."""
+    fewest, most = min(r["learners"] for r in results), max(r["learners"] for r in results)
+    if fewest == most:
+        return None
+    by_repeat = {}
+    for r in results:
+        by_repeat.setdefault(r["repeat"], {})[r["learners"]] = r
+    pairs = [(runs[fewest], runs[most]) for runs in by_repeat.values() if fewest in runs and most in runs]
+
+    def per_six(key):
+        return [round((b[key] - a[key]) / a["model_mib"] / (most - fewest) * 6, 4) for a, b in pairs]
+
+    peak, before = per_six("peak_rss_mib"), per_six("peak_before_finish_mib")
+    return {"from": fewest, "to": most, "peak": peak, "peak_median": round(statistics.median(peak), 4),
+            "before_finish": before, "before_finish_median": round(statistics.median(before), 4)}
+
+
+def report(r: dict) -> None:
+    print(f"M = {r['learners']:3d}: peak RSS {r['peak_rss_mib']:.0f} MiB = {r['peak_over_model']:.2f}× the model "
+          f"({r['model_mib']:.0f} MiB), {r['peak_above_baseline_over_model']:.2f}× above the syncer's idle "
+          f"{r['baseline_rss_mib']:.0f} MiB, {r['peak_before_finish_mib']:.0f} MiB before the learners "
+          f"finished; parts at the peak ({r['peak_phase']}): {r['parts_at_peak_mib']}; "
+          f"syncer CPU {r['syncer_cpu_ms_per_push']:.1f} ms a push ({r['pushes']} pushes); learners received "
+          f"{r['received_after_join_mib']:.0f} MiB after their join, {r['full_answers']} answers in full values "
+          f"({r['full_answers_mib']:.0f} MiB)", flush=True)
 
 
 if __name__ == "__main__":

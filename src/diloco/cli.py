@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--push-buffer", type=float, default=PUSH_BUFFER, metavar="SHARE",
                    help="payload bytes of pushes the syncer holds at once, as a share of the model's fp32 size "
                         f"({PUSH_BUFFER}): pushes beyond it wait (never fail), so its memory does not grow with the "
-                        "learners; 0: no bound")
+                        "learners; a smaller share holds less and makes pushes wait longer; 0: no bound")
     n.add_argument("--send-window", type=float, default=8.0, metavar="MIB",
                    help="MiB an update stream may send beyond what its learner says it received (8): answers to a "
                         "slow reader wait in its queue, not in gRPC's buffers; 0: no bound")

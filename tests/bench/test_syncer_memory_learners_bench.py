@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from benchmarks import child_env, module_command
+from benchmarks.syncer.memory_learners import growth_per_six
 
 SCRIPT = module_command("benchmarks.syncer.memory_learners")
 
@@ -26,3 +27,22 @@ def test_the_syncers_peak_is_reported_before_and_after_the_learners_finish(tmp_p
         assert {"model", "changes", "open_rounds", "allocator_free"} <= set(r["parts_at_peak_mib"])
         assert r["peak_phase"] in ("join", "steps", "finish") and r["full_answers"] is not None
     assert "before the learners finished" in proc.stdout
+    growth = json.loads(out.read_text())["growth_per_six"]
+    a, b = runs
+    assert growth["peak"] == [round((b["peak_rss_mib"] - a["peak_rss_mib"]) / a["model_mib"] / 2 * 6, 4)]
+    assert "six more learners, 1 → 3: peak" in proc.stdout
+
+
+def run(learners, repeat, peak, before=None):
+    return dict(learners=learners, repeat=repeat, peak_rss_mib=peak, peak_before_finish_mib=before or peak,
+                model_mib=60.0)
+
+
+def test_what_six_more_learners_add_is_paired_by_repeat_and_its_median_given():
+    growth = growth_per_six([run(8, 0, 430.0), run(14, 0, 431.0), run(20, 0, 436.0, 433.0),
+                             run(8, 1, 432.0), run(14, 1, 440.0), run(20, 1, 429.0),
+                             run(8, 2, 428.0), run(20, 2, 434.0)])
+    assert (growth["from"], growth["to"]) == (8, 20)  # the fewest and the most; 14 plays no part
+    assert growth["peak"] == [0.05, -0.025, 0.05] and growth["peak_median"] == 0.05
+    assert growth["before_finish"] == [0.025, -0.025, 0.05] and growth["before_finish_median"] == 0.025
+    assert growth_per_six([run(8, 0, 430.0), run(8, 1, 431.0)]) is None  # one number of learners: nothing to say
