@@ -136,7 +136,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1, help="run the --learners in turn this many times")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    if len(args.learners) < 1 or min(args.learners) < 1 or args.repeats < 1:
+    if min(args.learners) < 1 or args.repeats < 1:
         p.error("--learners wants one or more numbers of learners ≥ 1, and --repeats a count ≥ 1")
     torch.set_num_threads(1)
     results = []

@@ -24,8 +24,6 @@ import os
 ARENAS = 2
 M_ARENA_MAX = -8  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
-JEMALLOC = "libjemalloc.so.2"
-"""Debian's and Ubuntu's `libjemalloc2` (`apt-get install libjemalloc2`), Fedora's `jemalloc`."""
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 """Freed pages go back to the system within a second, from a thread of jemalloc's own, not at the next allocation;
 `MALLOC_CONF` in the environment, if set, wins."""
@@ -72,7 +70,7 @@ def name() -> str:
 
 
 def find_jemalloc() -> str | None:
-    """jemalloc's library name (JEMALLOC on Debian) where the system's loader finds it, else None."""
+    """jemalloc's library name (libjemalloc.so.2 from Debian's libjemalloc2) where the system's loader finds it, else None."""
     return ctypes.util.find_library("jemalloc")
 
 

@@ -163,9 +163,9 @@ ON_JEMALLOC = textwrap.dedent("""
 
 @pytest.mark.needs(JEMALLOC_MISSING)
 def test_on_jemalloc_what_is_handed_out_is_counted_and_purged_on_trim():
-    from diloco.allocator import JEMALLOC, preload_env
+    from diloco.allocator import find_jemalloc, preload_env
 
-    env = preload_env({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}, JEMALLOC)
+    env = preload_env({k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}, find_jemalloc())
     out = subprocess.run([sys.executable, "-c", ON_JEMALLOC], env=env, capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()
     assert out[0] == "jemalloc" and out[3] == "True"
@@ -174,8 +174,9 @@ def test_on_jemalloc_what_is_handed_out_is_counted_and_purged_on_trim():
 
 
 def test_preloading_keeps_what_the_environment_preloads_and_its_malloc_settings():
-    from diloco.allocator import JEMALLOC, JEMALLOC_CONF, preload_env
+    from diloco.allocator import JEMALLOC_CONF, preload_env
 
-    assert preload_env({}, JEMALLOC) == {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": JEMALLOC_CONF}
-    env = preload_env({"LD_PRELOAD": "libmine.so", "MALLOC_CONF": "narenas:1", "PATH": "/bin"}, JEMALLOC)
-    assert env == {"LD_PRELOAD": f"{JEMALLOC} libmine.so", "MALLOC_CONF": "narenas:1", "PATH": "/bin"}
+    library = "libjemalloc.so.2"
+    assert preload_env({}, library) == {"LD_PRELOAD": library, "MALLOC_CONF": JEMALLOC_CONF}
+    env = preload_env({"LD_PRELOAD": "libmine.so", "MALLOC_CONF": "narenas:1", "PATH": "/bin"}, library)
+    assert env == {"LD_PRELOAD": f"{library} libmine.so", "MALLOC_CONF": "narenas:1", "PATH": "/bin"}

@@ -76,7 +76,8 @@ def test_the_handlers_serializer_sends_serialized_messages_as_they_are_and_count
     assert serialize(reply) == reply.SerializeToString()
     blob = pb.JoinReply(blob=pb.Blob(codec="fp32", data=b"abcd"))
     serialize(blob)
-    assert counted == [("Blob", 7, 0, "int8"), ("Blob", 11, 2, "int8"), ("HeartbeatReply", reply.ByteSize() + 5, 0, None),
+    assert counted == [("Blob", 7, 0, "int8"), ("Blob", 11, 2, "int8"),
+                       ("HeartbeatReply", reply.ByteSize() + 5, 0, None),
                        ("JoinReply", blob.ByteSize() + 5, 4, "fp32")]
 
 
